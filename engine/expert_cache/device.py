@@ -1,0 +1,111 @@
+"""The device side of the expert cache: slot pools, the slot table, and copies off the critical path.
+
+On CUDA, copies run on a dedicated copy stream and complete through CUDA events. On a CPU device the
+same protocol runs with one copy thread, so every invariant is exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ops.cpu_experts import ExpertWeights
+
+
+class CopyEngine:
+    """Asynchronous host -> device copies that never block the compute stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=device)
+        else:
+            self.thread = ThreadPoolExecutor(1, thread_name_prefix="moecache-copy")
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CopyHandle:
+        """Copy each (dst, src); the handle completes when all are done."""
+        if self.device.type == "cuda":
+            # NOTE: slots may still be read by the step just launched: wait for it before overwriting.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return CopyHandle(event=event)
+        return CopyHandle(future=self.thread.submit(_copy_all, pairs))
+
+    def close(self) -> None:
+        if self.device.type != "cuda":
+            self.thread.shutdown(wait=True)
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+@dataclass
+class CopyHandle:
+    event: torch.cuda.Event | None = None
+    future: Future | None = None
+
+    def done(self) -> bool:
+        return self.event.query() if self.event is not None else self.future.done()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        else:
+            self.future.result()
+
+
+def empty_bank(like: ExpertWeights, rows: int, device: torch.device) -> ExpertWeights:
+    """An uninitialised bank of `rows` experts shaped like `like` (slot pools, staging buffers)."""
+    new = lambda t: torch.empty((rows, *t.shape[1:]), dtype=torch.uint8, device=device)  # noqa: E731
+    return ExpertWeights(new(like.gate), new(like.up), new(like.down), like.gate_type, like.up_type,
+                         like.down_type, like.hidden, like.ff)
+
+
+def bank_to(bank: ExpertWeights, device: torch.device) -> ExpertWeights:
+    """A whole layer of experts copied to the device (resident layers)."""
+    if bank.gate.device == device:
+        return bank
+    move = lambda t: t.to(device)  # noqa: E731
+    return ExpertWeights(move(bank.gate), move(bank.up), move(bank.down), bank.gate_type, bank.up_type,
+                         bank.down_type, bank.hidden, bank.ff)
+
+
+def expert_parts(bank: ExpertWeights, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return bank.gate[row], bank.up[row], bank.down[row]
+
+
+@dataclass
+class PendingCopy:
+    handle: CopyHandle
+    entries: list[tuple[int, int, int]]  # (layer, expert, slot) published when the copy is done
+
+
+class SlotTable:
+    """`table[layer, expert]` = slot in the group's pool, or -1. Lives on the device; a host mirror
+    answers the host's questions without a sync. Changed only between steps."""
+
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device) -> None:
+        self.device_table = torch.full((num_layers, num_experts), -1, dtype=torch.int64, device=device)
+        self.host = torch.full((num_layers, num_experts), -1, dtype=torch.int64)
+
+    def set(self, entries: list[tuple[int, int, int]]) -> None:
+        """entries: (layer, expert, slot or -1)."""
+        if not entries:
+            return
+        index = torch.tensor([(layer, expert) for layer, expert, _ in entries], dtype=torch.int64)
+        values = torch.tensor([slot for _, _, slot in entries], dtype=torch.int64)
+        self.host[index[:, 0], index[:, 1]] = values
+        self.device_table[index[:, 0].to(self.device_table.device), index[:, 1].to(self.device_table.device)] = \
+            values.to(self.device_table.device)
+
+    def lookup(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        """expert_ids `[...]` on the device -> slots `[...]` (-1 where not cached)."""
+        return self.device_table[layer][expert_ids]

@@ -1,0 +1,258 @@
+"""The expert executor the model calls for every MoE layer: splits a step's (token, expert) pairs into
+cache hits (computed on the device from slots) and misses (computed on the CPU from host RAM, or read
+by the device from host memory), so every pair is computed exactly once; then, between steps, feeds
+the routing to the policy and runs its promotions off the critical path."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import CacheConfig
+from engine.expert_cache.device import CopyEngine, PendingCopy, SlotTable, bank_to, empty_bank, expert_parts
+from engine.expert_cache.host import pin_experts
+from engine.expert_cache.placement import Placement, choose_placement
+from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
+from engine.expert_cache.policy import CachePolicy, PolicyConfig, Promotion, make_policy
+from engine.expert_cache.profile import Profile
+from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot, batch_class
+from engine.expert_cache.split import MissSplit, measure_split
+from engine.moe import flatten_pairs
+from engine.routing import TraceRecorder
+from engine.weights import ModelWeights, expert_bytes
+from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
+from ops.expert_ffn import expert_ffn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """How one step routed one layer, kept on the device until the step ends."""
+
+    layer: int
+    expert_ids: torch.Tensor  # [pairs]
+    slots: torch.Tensor  # [pairs], -1 for a miss
+
+
+class _Done:
+    """A finished result with the interface of a Future."""
+
+    def __init__(self, value: torch.Tensor | None) -> None:
+        self.value = value
+
+    def result(self) -> torch.Tensor | None:
+        return self.value
+
+
+class ExpertCache:
+    def __init__(self, host: dict[int, ExpertWeights], resident: dict[int, ExpertWeights], placement: Placement,
+                 plan: CachePlan, cfg: CacheConfig, device: torch.device, num_layers: int, num_experts: int,
+                 profile: Profile | None = None) -> None:
+        self.host, self.resident, self.placement, self.plan, self.cfg = host, resident, placement, plan, cfg
+        self.device = device
+        self.groups = {g.group_id: g for g in plan.groups}
+        self.group_of = {layer: g.group_id for g in plan.groups for layer in g.layers}
+        self.pools = {g.group_id: empty_bank(host[g.layers[0]], g.num_slots, device)
+                      for g in plan.groups if g.is_cached}
+        self.table = SlotTable(num_layers, num_experts, device)
+        pc = PolicyConfig(promote_per_step=cfg.promote_per_step)
+        self.policies: dict[int, CachePolicy] = {
+            gid: make_policy(cfg.policy, self.groups[gid], pc, profile) for gid in self.pools}
+        self.copies = CopyEngine(device)
+        self.cpu = ThreadPoolExecutor(1, thread_name_prefix="moecache-cpu-experts")
+        self.split: MissSplit = measure_split(cfg.miss_mode, device, next(iter(host.values()), None))
+        self.stats = CacheStats()
+        self.profile = Profile() if cfg.profile_out else None
+        self.trace = TraceRecorder() if cfg.record_trace else None
+        self._records: list[LayerRecord] = []
+        self._step_tokens = 0
+        self._streamed = self._cpu_experts = 0
+        self._pending: list[PendingCopy] = []
+        self._in_flight: dict[tuple[int, int], tuple[int, int]] = {}  # (group, slot) -> (layer, expert)
+        if profile is not None:
+            for gid, policy in self.policies.items():
+                self._promote(gid, policy.warm_start(profile))
+
+    # -- the step: called by the model for every MoE layer ------------------------------------------
+    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+        tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
+        if layer in self.resident:
+            return expert_ffn(x, tokens, experts, pair_weights, self.resident[layer]).to(x.dtype)
+        self._step_tokens = x.shape[0]
+        pool = self.pools.get(self.group_of[layer])
+        slots = self.table.lookup(layer, experts) if pool is not None else torch.full_like(experts, -1)
+        self._records.append(LayerRecord(layer, experts, slots))
+        if x.shape[0] > self.cfg.max_cached_batch or self.cfg.miss_mode == "stream":
+            misses: _Joined | _Done = _Done(self._stage_misses(layer, x, tokens, experts, slots, pair_weights))
+        else:
+            misses = self._start_misses(layer, x, tokens, experts, slots, pair_weights)
+        # The device computes the hits while the CPU computes its misses.
+        hits = expert_ffn(x, tokens, slots, pair_weights, pool) if pool is not None else None
+        return _sum(hits, misses.result()).to(x.dtype)
+
+    def _start_misses(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                      slots: torch.Tensor, weights: torch.Tensor) -> _Joined:
+        # NOTE: cpu and hybrid modes read the routing on the host: one sync per layer.
+        host = torch.stack([tokens, experts, slots]).cpu()
+        miss = host[2] < 0
+        to_stream = self.split.streamed(host[1][miss]) if self.cfg.miss_mode == "hybrid" else host[1][:0]
+        on_cpu = miss & ~torch.isin(host[1], to_stream)
+        cpu = None
+        if bool(on_cpu.any()):
+            self._cpu_experts += int(host[1][on_cpu].unique().numel())
+            cpu = self.cpu.submit(expert_ffn_cpu, x.float().cpu(), host[0][on_cpu], host[1][on_cpu],
+                                  weights.cpu()[on_cpu], self.host[layer])
+        staged = self._stage_experts(layer, x, tokens, experts, weights, to_stream) if len(to_stream) else None
+        return _Joined(cpu, staged, x.device)
+
+    def _stage_misses(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                      slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        missed = experts[slots < 0].unique().cpu()
+        return self._stage_experts(layer, x, tokens, experts, weights, missed) if missed.numel() else None
+
+    def _stage_experts(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                       weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The device reads the chosen experts from host memory and computes their pairs."""
+        host = self.host[layer]
+        self._streamed += len(chosen) * expert_bytes(host)
+        row_of = torch.full((host.gate.shape[0],), -1, dtype=torch.int64)
+        if self.device.type == "cpu":  # host memory is the device's memory: read in place
+            bank, row_of[chosen] = host, chosen
+        else:
+            bank, row_of[chosen] = empty_bank(host, len(chosen), self.device), torch.arange(len(chosen))
+            for row, expert in enumerate(chosen.tolist()):
+                for dst, src in zip(expert_parts(bank, row), expert_parts(host, expert)):
+                    dst.copy_(src, non_blocking=True)
+        return expert_ffn(x, tokens, row_of.to(self.device)[experts], weights, bank)
+
+    # -- between steps ----------------------------------------------------------------------------
+    def end_step(self) -> None:
+        """Stats, policy and promotions for the step just computed; publish finished copies."""
+        if self._records:
+            self._account(self._records, self._step_tokens)
+        self._records, self._streamed, self._cpu_experts = [], 0, 0
+        self._publish_done()
+
+    def _account(self, records: list[LayerRecord], num_tokens: int) -> None:
+        # NOTE: one device -> host copy for the whole step, after it was computed.
+        host = torch.cat([torch.stack([r.expert_ids, r.slots]) for r in records], dim=1).cpu().numpy()
+        layers = np.repeat([r.layer for r in records], [r.expert_ids.numel() for r in records])
+        hits: dict[int, int] = {}
+        misses: dict[int, int] = {}
+        for gid in {self.group_of[r.layer] for r in records}:
+            in_group = np.isin(layers, self.groups[gid].layers)
+            hits[gid] = int((host[1][in_group] >= 0).sum())
+            misses[gid] = int(in_group.sum()) - hits[gid]
+        self.stats.record_step(num_tokens, hits, misses, self._streamed, self._cpu_experts)
+        by_layer = {r.layer: host[0][layers == r.layer] for r in records}
+        self._observe(by_layer, num_tokens)
+
+    def _observe(self, by_layer: dict[int, np.ndarray], num_tokens: int) -> None:
+        if self.profile is not None:
+            for layer, ids in by_layer.items():
+                self.profile.add(layer, ids.tolist())
+        if self.trace is not None:
+            self.trace.add_step(np.stack([ids.reshape(num_tokens, -1) for ids in by_layer.values()]))
+        if num_tokens > self.cfg.max_cached_batch:
+            return  # NOTE: prefill never evicts the decode working set
+        for gid, policy in self.policies.items():
+            used = {layer: by_layer[layer].tolist() for layer in self.groups[gid].layers if layer in by_layer}
+            self._promote(gid, policy.observe(used))
+
+    def _promote(self, gid: int, promotions: list[Promotion]) -> None:
+        if not promotions:
+            return
+        # NOTE: a slot is unpublished before its copy starts.
+        self.table.set([(*p.evicted, -1) for p in promotions if p.evicted] +
+                       [(p.layer, p.expert, -1) for p in promotions])
+        pool, copies = self.pools[gid], []
+        for p in promotions:
+            copies += zip(expert_parts(pool, p.slot), expert_parts(self.host[p.layer], p.expert))
+            self._in_flight[(gid, p.slot)] = (p.layer, p.expert)
+        entries = [(gid, p.layer, p.expert, p.slot) for p in promotions]
+        self._pending.append(PendingCopy(self.copies.copy(copies), entries))
+        evictions = sum(p.evicted is not None for p in promotions)
+        self.stats.record_copies(len(promotions), evictions, len(promotions) * self.groups[gid].slot_bytes)
+
+    def _publish_done(self, wait: bool = False) -> None:
+        # NOTE: a slot is published only after its copy completed, and only if no later promotion
+        # reassigned it meanwhile.
+        ready, self._pending = [p for p in self._pending if wait or p.handle.done()], \
+            [p for p in self._pending if not (wait or p.handle.done())]
+        publish = []
+        for pending in ready:
+            pending.handle.wait()
+            for gid, layer, expert, slot in pending.entries:
+                if self._in_flight.get((gid, slot)) == (layer, expert):
+                    del self._in_flight[(gid, slot)]
+                    publish.append((layer, expert, slot))
+        self.table.set(publish)
+
+    # -- introspection ----------------------------------------------------------------------------
+    def snapshot(self) -> CacheStatsSnapshot:
+        return self.stats.snapshot()
+
+    def describe(self) -> str:
+        p, plan = self.placement, self.plan
+        if not p.host_layers:
+            return f"experts: {p.reason}"
+        return (f"experts: {p.reason}; {len(p.host_layers)} layers in host RAM, {len(p.resident_layers)} resident; "
+                f"cache {plan.cache_bytes / 2**20:.0f} MiB, {plan.num_slots} slots ({plan.share:.1%} of host "
+                f"experts), policy {self.cfg.policy}, misses on {self.cfg.miss_mode}")
+
+    def close(self) -> list[str]:
+        self._publish_done(wait=True)
+        self.copies.close()
+        self.cpu.shutdown(wait=True)
+        if self.profile is not None and self.cfg.profile_out:
+            self.profile.save(self.cfg.profile_out)
+        if self.trace is not None and self.cfg.record_trace:
+            self.trace.save(self.cfg.record_trace)
+        return self.stats.summary_lines()
+
+
+def _sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return b if a is None else a if b is None else a + b
+
+
+class _Joined:
+    """CPU-computed misses (a Future of a host tensor) plus an optional device partial sum."""
+
+    def __init__(self, cpu: Future | None, device_part: torch.Tensor | None, device: torch.device) -> None:
+        self.cpu, self.device_part, self.device = cpu, device_part, device
+
+    def result(self) -> torch.Tensor | None:
+        cpu_part = None if self.cpu is None else self.cpu.result().to(self.device, non_blocking=True)
+        return _sum(cpu_part, self.device_part)
+
+
+def build_expert_cache(weights: ModelWeights, cfg: CacheConfig, device: torch.device, reserved_bytes: int = 0,
+                       release: Callable[[int, int], None] | None = None) -> ExpertCache:
+    hp = weights.hparams
+    banks = {i: weights.layers[i].ffn.experts for i in weights.moe_layers}
+    layer_bytes = {i: expert_bytes(b) * hp.num_experts for i, b in banks.items()}
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    placement = choose_placement(layer_bytes, cfg, free, reserved_bytes)
+    layers = [LayerExperts(i, hp.num_experts, hp.top_k, expert_bytes(banks[i]), _type_key(banks[i]))
+              for i in placement.host_layers]
+    plan = plan_cache(layers, placement.budget_bytes)
+    for warning in plan.warnings:
+        log.warning(warning)
+    host = {i: banks[i] for i in placement.host_layers}
+    if device.type == "cuda" and host:
+        host = pin_experts(host, release or (lambda address, length: None))
+    resident = {i: bank_to(banks[i], device) for i in placement.resident_layers}
+    profile = Profile.load(cfg.profile_in) if cfg.profile_in else None
+    return ExpertCache(host, resident, placement, plan, cfg, device, hp.num_layers, hp.num_experts, profile)
+
+
+def _type_key(bank: ExpertWeights) -> tuple:
+    return tuple((t.name, tuple(x.shape[1:])) for t, x in
+                 ((bank.gate_type, bank.gate), (bank.up_type, bank.up), (bank.down_type, bank.down)))

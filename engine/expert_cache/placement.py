@@ -1,0 +1,53 @@
+"""Where routed experts live: resident on the device, or in host RAM behind the cache. Torch-free."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.config import CacheConfig
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Placement:
+    host_layers: tuple[int, ...]  # MoE layers whose routed experts live in host RAM
+    resident_layers: tuple[int, ...]  # MoE layers whose routed experts live on the device
+    budget_bytes: int  # the expert cache for the host layers
+    reason: str  # one line for the startup log
+
+    def is_host(self, layer: int) -> bool:
+        return layer in self.host_layers
+
+
+def choose_placement(layer_bytes: Mapping[int, int], cfg: CacheConfig, free_bytes: int | None,
+                     reserved_bytes: int = 0) -> Placement:
+    """layer_bytes: MoE layer -> bytes of its routed experts. free_bytes: free device memory, None when
+    the device is the CPU (nothing to cache into unless a budget is given)."""
+    layers = sorted(layer_bytes)
+    if cfg.cpu_moe:
+        host, why = layers, "--cpu-moe: every routed expert in host RAM"
+    elif cfg.n_cpu_moe:
+        host, why = layers[:cfg.n_cpu_moe], f"--n-cpu-moe {cfg.n_cpu_moe}: the first MoE layers in host RAM"
+    elif free_bytes is None:
+        host, why = [], "the device is the CPU: routed experts computed in place"
+    elif _fits(layer_bytes, free_bytes, reserved_bytes, cfg):
+        host, why = [], "all routed experts fit on the device"
+    else:
+        host, why = layers, "routed experts do not fit on the device: host RAM + expert cache"
+    resident = [layer for layer in layers if layer not in host]
+    budget = _budget(cfg, free_bytes, reserved_bytes + sum(layer_bytes[x] for x in resident)) if host else 0
+    return Placement(tuple(host), tuple(resident), budget, why)
+
+
+def _fits(layer_bytes: Mapping[int, int], free: int, reserved: int, cfg: CacheConfig) -> bool:
+    return sum(layer_bytes.values()) <= free - reserved - cfg.headroom_mib * MiB
+
+
+def _budget(cfg: CacheConfig, free: int | None, used: int) -> int:
+    if cfg.budget_mib is not None:
+        return cfg.budget_mib * MiB
+    if free is None:
+        return 0
+    return max(0, free - used - cfg.headroom_mib * MiB)

@@ -1,0 +1,65 @@
+"""How `hybrid` mode splits a step's missed experts between the device (reading host memory over PCIe)
+and the CPU: in proportion to the two measured speeds, so both finish at about the same time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
+
+
+@dataclass(frozen=True)
+class MissSplit:
+    stream_share: float  # share of missed experts the device reads from host memory
+    link_gbps: float = 0.0  # host -> device read speed
+    cpu_gbps: float = 0.0  # CPU expert compute speed, counted in expert bytes
+
+    def streamed(self, missed: torch.Tensor) -> torch.Tensor:
+        """missed: expert id of every missed pair (host) -> the experts the device reads: the ones with
+        most tokens first (the device gains most from reusing an expert across tokens)."""
+        experts, counts = missed.unique(return_counts=True)
+        num = round(self.stream_share * len(experts))
+        return experts[torch.argsort(counts, descending=True, stable=True)[:num]].sort().values
+
+
+def _seconds(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_link_gbps(device: torch.device, num_bytes: int = 64 << 20) -> float:
+    """Pinned host -> device copy speed (a host memory copy when the device is the CPU)."""
+    pin = device.type == "cuda"
+    src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+
+    def copy() -> None:
+        dst.copy_(src, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize(device)
+
+    return num_bytes / _seconds(copy) / 1e9
+
+
+def measure_cpu_gbps(bank: ExpertWeights, num_experts: int = 8) -> float:
+    experts = torch.arange(min(num_experts, bank.gate.shape[0]))
+    x = torch.randn(1, bank.hidden)
+    tokens, weights = torch.zeros_like(experts), torch.full((len(experts),), 1.0 / len(experts))
+    per_expert = sum(t[0].numel() for t in (bank.gate, bank.up, bank.down))
+    seconds = _seconds(lambda: expert_ffn_cpu(x, tokens, experts, weights, bank))
+    return len(experts) * per_expert / seconds / 1e9
+
+
+def measure_split(mode: str, device: torch.device, bank: ExpertWeights | None) -> MissSplit:
+    if mode != "hybrid" or bank is None:
+        return MissSplit(1.0 if mode == "stream" else 0.0)
+    link, cpu = measure_link_gbps(device), measure_cpu_gbps(bank)
+    return MissSplit(link / (link + cpu), link, cpu)

@@ -1,0 +1,106 @@
+"""Write GGUF files (tests, `moecache synth`, the embedded model) with the `gguf` package.
+
+Tensors are produced one at a time while the file is written, so a 17 GB model never sits in RAM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from ops.quants import QType, quantize, row_bytes
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # torch order
+    qtype: QType
+    make: Callable[[], np.ndarray | torch.Tensor]  # raw bytes uint8 [..., row_bytes], made on demand
+
+    @property
+    def num_bytes(self) -> int:
+        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+        return rows * row_bytes(self.qtype, self.shape[-1])
+
+
+def tensor_from_float(name: str, x: torch.Tensor, qtype: QType = QType.F32) -> TensorSpec:
+    """A tensor quantized from float values (small models written by tests)."""
+    x = x.detach().float().cpu()
+    return TensorSpec(name, tuple(x.shape), qtype, lambda: quantize(x, qtype))
+
+
+def _value_type(value: Any) -> GGUFValueType:
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL
+    if isinstance(value, int):
+        return GGUFValueType.INT32 if value < 0 else GGUFValueType.UINT32 if value < 2**32 else GGUFValueType.UINT64
+    if isinstance(value, float):
+        return GGUFValueType.FLOAT32
+    if isinstance(value, str):
+        return GGUFValueType.STRING
+    raise TypeError(f"cannot store {type(value).__name__} in GGUF metadata")
+
+
+def _add_metadata(writer: GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            writer.add_key_value(key, [], GGUFValueType.ARRAY, GGUFValueType.UINT32)
+            return
+        sub = GGUFValueType.INT32 if all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
+            else _value_type(value[0])
+        writer.add_key_value(key, list(value), GGUFValueType.ARRAY, sub)
+    else:
+        writer.add_key_value(key, value, _value_type(value))
+
+
+def _raw_numpy(data: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(data, torch.Tensor):
+        data = data.contiguous().cpu().numpy()
+    return np.ascontiguousarray(data).view(np.uint8)
+
+
+def write_gguf(
+    path: str | Path,
+    arch: str,
+    metadata: Mapping[str, Any],
+    tensors: Iterable[TensorSpec],
+    *,
+    split_max_bytes: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Path]:
+    """Write a model; with `split_max_bytes` it is split into `-0000i-of-0000N.gguf` files."""
+    path = Path(path)
+    specs = list(tensors)
+    writer = GGUFWriter(path, arch, split_max_size=split_max_bytes)
+    for key, value in metadata.items():
+        if key != "general.architecture":
+            _add_metadata(writer, key, value)
+    for spec in specs:
+        byte_shape = (*spec.shape[:-1], row_bytes(spec.qtype, spec.shape[-1]))
+        writer.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8), spec.num_bytes, raw_dtype=spec.qtype)
+    paths = writer.format_shard_names(path)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    total = sum(s.num_bytes for s in specs)
+    done = 0
+    for spec in specs:
+        data = _raw_numpy(spec.make())
+        if data.nbytes != spec.num_bytes:
+            raise ValueError(f"tensor '{spec.name}': made {data.nbytes} bytes, expected {spec.num_bytes}")
+        writer.write_tensor_data(data)
+        done += data.nbytes
+        if progress:
+            progress(done, total)
+    writer.close()
+    return [Path(p) for p in paths]
+
+
+__all__ = ["GGMLQuantizationType", "TensorSpec", "tensor_from_float", "write_gguf"]

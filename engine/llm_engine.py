@@ -1,0 +1,218 @@
+"""The synchronous engine: requests in, one `step()` at a time, increments of text out.
+
+`AsyncEngine` runs `step()` in its own thread; `moecache generate` and the benchmarks call it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detok import TextOutput
+from engine.embedded import embedded_model_path
+from engine.expert_cache.executor import ExpertCache, build_expert_cache
+from engine.gguf.reader import GGUFFile
+from engine.gguf.tokenizer import Tokenizer
+from engine.kv_cache import KVCache
+from engine.model import ForwardBatch, Model, SeqSpan
+from engine.routing import RoutingSource, parse_routing
+from engine.sampler import SamplingState, make_generator, sample
+from engine.scheduler import Scheduler, Sequence
+from engine.types import Request, RequestError, RequestOutput, SchedulerOutput, StepOutput, TokenLogprob
+from engine.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    sampling: SamplingState
+    text: TextOutput
+    stop_ids: frozenset[int]
+    first_token_time: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    steps: int
+    prompt_tokens: int
+    generation_tokens: int
+    decode_tokens_per_second: float  # over the last decode steps
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: Callable[[str, int, int], None] | None = None) -> None:
+        self.config = config
+        self.gguf = GGUFFile(config.model.path or embedded_model_path())
+        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+        self.device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, self.device)
+        self.weights = load_weights(self.gguf, self.device, dtype, _bytes_progress(progress, self.gguf))
+        hp = self.weights.hparams
+        max_len = min(config.model.max_context, hp.context_length)
+        sched = replace(config.scheduler, max_model_len=max_len)
+        self.kv = KVCache(hp.num_layers, sched.max_num_seqs, max_len, hp.num_kv_heads, hp.head_dim, dtype,
+                          self.device)
+        self.cache: ExpertCache = build_expert_cache(self.weights, config.cache, self.device,
+                                                     reserved_bytes=self.kv.num_bytes,
+                                                     release=self.gguf.release_pages)
+        self.model = Model(self.weights, self.cache)
+        self.scheduler = Scheduler(sched)
+        self.routing: RoutingSource | None = parse_routing(config.routing, len(self.weights.moe_layers),
+                                                           hp.num_experts, hp.top_k)
+        self.requests: dict[str, RequestState] = {}
+        self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._decode_rate = 0.0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    # -- requests ---------------------------------------------------------------------------------
+    def validate(self, request: Request) -> None:
+        n, limit = len(request.prompt_ids), self.max_model_len
+        if n == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        if n + request.params.max_tokens > limit:
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens; the prompt has {n} tokens and "
+                f"max_tokens is {request.params.max_tokens} ({n + request.params.max_tokens} in all)",
+                param="max_tokens", code="context_length_exceeded")
+        if max(request.prompt_ids) >= self.weights.hparams.vocab_size or min(request.prompt_ids) < 0:
+            raise RequestError("prompt token id out of the vocabulary", param="prompt")
+
+    def add_request(self, request: Request) -> None:
+        self.validate(request)
+        if request.request_id in self.requests:
+            raise RequestError(f"request id {request.request_id!r} is already running")
+        params = request.params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.tokenizer.stop_token_ids
+        seq = self.scheduler.add(request)
+        state = SamplingState(params, request.prompt_ids, seq.output_ids, make_generator(params.seed, self.device))
+        text = TextOutput(self.tokenizer, params.stop)
+        self.requests[request.request_id] = RequestState(seq, state, text, frozenset(stop_ids))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._output(state, (), (), "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()  # 1. which sequences, which tokens
+        if sched.is_empty:
+            return []
+        result = self.execute(sched)  # 2. forward + sample on the device
+        self.cache.end_step()  # 3. cache bookkeeping and promotions, between steps
+        return self.update(sched, result)  # 4. tokens -> text, stops, finished requests
+
+    def execute(self, sched: SchedulerOutput) -> StepOutput:
+        start = time.perf_counter()
+        spans = [SeqSpan(s.slot, s.start, len(s.token_ids)) for s in sched.seqs]
+        batch = ForwardBatch.build(spans, [list(s.token_ids) for s in sched.seqs], self.device)
+        routing = self._routing(sched)
+        logits = self.model.forward(batch, self.kv, routing)
+        rows = [i for i, s in enumerate(sched.seqs) if s.samples]
+        states = [self.requests[sched.seqs[i].request_id].sampling for i in rows]
+        tokens, logprobs = sample(logits[rows], states) if rows else ([], [])
+        ids = [sched.seqs[i].request_id for i in rows]
+        self.counters["steps"] += 1
+        return StepOutput(dict(zip(ids, tokens)), {i: lp for i, lp in zip(ids, logprobs) if lp is not None},
+                          sched.num_tokens, time.perf_counter() - start)
+
+    def _routing(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        if self.routing is None:
+            return None
+        per_token = [s.request_id for s in sched.seqs for _ in s.token_ids]
+        return torch.from_numpy(self.routing.route(per_token))  # [moe_layers, tokens, top_k]
+
+    def update(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.perf_counter()
+        for s in sched.seqs:
+            state = self.requests.get(s.request_id)
+            if state is None:
+                continue
+            if s.start == 0:
+                self.counters["prompt_tokens"] += len(state.seq.request.prompt_ids)
+            token = result.sampled.get(s.request_id)
+            if token is not None:
+                state.first_token_time = state.first_token_time or now
+                outputs.append(self._advance(state, token, result.logprobs.get(s.request_id)))
+        if sched.num_tokens == len(sched.seqs) and result.seconds > 0:
+            self._decode_rate = len(sched.seqs) / result.seconds
+        return outputs
+
+    def _advance(self, state: RequestState, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        seq, params = state.seq, state.sampling.params
+        self.counters["generation_tokens"] += 1
+        self.scheduler.append_token(seq, token)
+        lps = (logprob,) if logprob else ()
+        if token in state.stop_ids or state.text.add(token):  # a stop token's text is never shown
+            return self._finish(state, (token,), lps, "stop")
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(state, (token,), lps, "length")
+        return RequestOutput(seq.request_id, (token,), state.text.emit(), lps,
+                             num_prompt_tokens=len(seq.request.prompt_ids),
+                             num_generated_tokens=len(seq.output_ids))
+
+    def _finish(self, state: RequestState, tokens: tuple[int, ...], lps: tuple, reason: str) -> RequestOutput:
+        self.requests.pop(state.seq.request_id, None)
+        self.scheduler.finish(state.seq)
+        return self._output(state, tokens, lps, reason)
+
+    @staticmethod
+    def _output(state: RequestState, tokens: tuple[int, ...], lps: tuple, reason: str) -> RequestOutput:
+        seq = state.seq
+        return RequestOutput(seq.request_id, tokens, state.text.finish(), lps, True, reason,
+                             len(seq.request.prompt_ids), len(seq.output_ids))
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(s.num_running, s.num_waiting, s.kv_usage(), self.counters["steps"],
+                           self.counters["prompt_tokens"], self.counters["generation_tokens"], self._decode_rate)
+
+    def close(self) -> None:
+        for line in self.cache.close():
+            log.info(line)
+
+
+def _bytes_progress(progress: Callable[[str, int, int], None] | None,
+                    gguf: GGUFFile) -> Callable[[int], None] | None:
+    if progress is None:
+        return None
+    total, done = gguf.file_bytes, [0]
+
+    def advance(num_bytes: int) -> None:
+        done[0] += num_bytes
+        progress("loading", min(done[0], total), total)
+
+    return advance

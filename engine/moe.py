@@ -1,0 +1,58 @@
+"""The MoE block: router -> routed experts (through an executor that decides where each expert is
+computed) -> weighted sum, plus the shared expert where the architecture has one."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.arch import HParams
+from engine.arch.base import route, weights_for
+from engine.layers import swiglu
+from engine.weights import MoE
+from ops.cpu_experts import ExpertWeights
+from ops.expert_ffn import expert_ffn_torch
+
+
+class ExpertExecutor(Protocol):
+    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+        """x `[tokens, hidden]`, expert_ids and weights `[tokens, top_k]` -> `sum_k w * expert_k(x)`."""
+        ...
+
+
+def moe_forward(layer: int, x: torch.Tensor, w: MoE, hp: HParams, experts: ExpertExecutor,
+                routed_ids: torch.Tensor | None = None) -> torch.Tensor:
+    logits = F.linear(x, w.router)  # [tokens, experts]
+    if routed_ids is None:
+        expert_ids, weights = route(logits, hp)
+    else:
+        expert_ids = routed_ids.to(x.device, torch.int64)
+        weights = weights_for(logits, expert_ids, hp)
+    out = experts(layer, x, expert_ids, weights)
+    if w.shared is not None:
+        gate = torch.sigmoid(x @ w.shared_gate)[:, None]  # [tokens, 1]
+        out = out + gate * swiglu(x, w.shared)
+    return out
+
+
+def flatten_pairs(expert_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`[tokens, top_k]` routing -> per-pair token ids, expert ids and weights `[tokens * top_k]`."""
+    tokens = torch.arange(expert_ids.shape[0], device=expert_ids.device).repeat_interleave(expert_ids.shape[1])
+    return tokens, expert_ids.flatten(), weights.flatten().float()
+
+
+class ReferenceExperts:
+    """Dequantize each selected expert and run plain float32 matmuls: the oracle other paths are checked
+    against. Experts may live anywhere (host map, device); the math runs on x's device."""
+
+    def __init__(self, experts: Mapping[int, ExpertWeights]) -> None:
+        self.experts = experts
+
+    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+        tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
+        return expert_ffn_torch(x, tokens, experts, pair_weights, self.experts[layer]).to(x.dtype)

@@ -1,0 +1,162 @@
+"""Random-weight GGUF models of any supported architecture at named size presets (tests, benchmarks,
+the embedded default model). Tensors are random valid quantized blocks, written one at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.arch import HParams, get_arch
+from engine.arch.base import GLOBAL_TENSORS, layer_tensor
+from engine.gguf.writer import TensorSpec, write_gguf
+from ops.quants import QType, format_of, random_blocks
+
+TOKEN_TYPE_UNUSED = 5
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hparams: HParams
+    dense_type: QType = QType.Q8_0  # attention, embeddings, output, dense and shared FFNs
+    expert_type: QType = QType.Q4_K  # routed experts
+    dense_layers: tuple[int, ...] = ()  # layers with a dense FFN instead of experts
+    description: str = ""
+
+
+def _hp(arch: str, **kw: Any) -> HParams:
+    defaults = dict(arch=arch, context_length=4096, rms_eps=1e-6, rope_theta=1e6, vocab_size=151936,
+                    norm_topk=get_arch(arch).norm_topk)
+    return HParams(**{**defaults, **kw})
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    Preset("tiny", _hp("qwen3moe", num_layers=2, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                       vocab_size=0, num_experts=8, top_k=2, expert_ff=256, dense_ff=512),
+           description="two layers, for tests"),
+    Preset("embedded", _hp("qwen3moe", num_layers=8, hidden=256, num_heads=8, num_kv_heads=2, head_dim=32,
+                           vocab_size=0, num_experts=32, top_k=4, expert_ff=256, dense_ff=512),
+           description="the default model: small, random weights"),
+    Preset("qwen3moe-30b-a3b", _hp("qwen3moe", num_layers=48, hidden=2048, num_heads=32, num_kv_heads=4,
+                                   head_dim=128, num_experts=128, top_k=8, expert_ff=768, context_length=40960),
+           description="Qwen3-30B-A3B shapes, Q4_K experts (about 17 GB)"),
+    Preset("qwen3moe-235b-a22b", _hp("qwen3moe", num_layers=94, hidden=4096, num_heads=64, num_kv_heads=4,
+                                     head_dim=128, num_experts=128, top_k=8, expert_ff=1536,
+                                     context_length=40960), description="Qwen3-235B-A22B shapes"),
+    Preset("qwen2moe-a2.7b", _hp("qwen2moe", num_layers=24, hidden=2048, num_heads=16, num_kv_heads=16,
+                                 head_dim=128, num_experts=60, top_k=4, expert_ff=1408, shared_ff=5632,
+                                 rms_eps=1e-6), description="Qwen1.5-MoE-A2.7B shapes"),
+    Preset("mixtral-8x7b", _hp("llama", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                               vocab_size=32000, num_experts=8, top_k=2, expert_ff=14336, rms_eps=1e-5),
+           description="Mixtral-8x7B shapes"),
+    Preset("olmoe-1b-7b", _hp("olmoe", num_layers=16, hidden=2048, num_heads=16, num_kv_heads=16, head_dim=128,
+                              vocab_size=50304, num_experts=64, top_k=8, expert_ff=1024, rms_eps=1e-5,
+                              rope_theta=1e4), description="OLMoE-1B-7B shapes"),
+]}
+
+
+def fitting_type(qtype: QType, num_cols: int) -> QType:
+    """`qtype` if a row of `num_cols` is whole blocks of it, else Q8_0 (as llama.cpp's quantizer falls
+    back for rows that K-quants cannot hold), else F16."""
+    for candidate in (qtype, QType.Q8_0, QType.F16):
+        if num_cols % format_of(candidate).block_size == 0:
+            return candidate
+    return QType.F32
+
+
+@dataclass
+class _Random:
+    seed: int
+    scale: float = 0.02
+    counter: list[int] = field(default_factory=lambda: [0])
+
+    def tensor(self, name: str, shape: tuple[int, ...], qtype: QType, ones: bool = False) -> TensorSpec:
+        qtype = QType.F32 if ones else fitting_type(qtype, shape[-1])
+        self.counter[0] += 1
+        seed = self.seed * 1_000_003 + self.counter[0]
+        return TensorSpec(name, shape, qtype, lambda: self._make(shape, qtype, seed, ones))
+
+    def _make(self, shape: tuple[int, ...], qtype: QType, seed: int, ones: bool) -> torch.Tensor:
+        if ones:
+            return torch.ones(shape, dtype=torch.float32).view(torch.uint8)
+        fmt = format_of(qtype)
+        num_blocks = int(torch.tensor(shape).prod()) // fmt.block_size
+        gen = torch.Generator().manual_seed(seed)
+        return random_blocks(qtype, num_blocks, gen, self.scale).reshape(*shape[:-1], -1)
+
+
+def model_tensors(preset: Preset, seed: int) -> Iterator[TensorSpec]:
+    hp, arch, rnd = preset.hparams, get_arch(preset.hparams.arch), _Random(seed)
+    dense, experts = preset.dense_type, preset.expert_type
+    yield rnd.tensor(GLOBAL_TENSORS["embed"], (hp.vocab_size, hp.hidden), dense)
+    q_dim, kv_dim = hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
+    for i in range(hp.num_layers):
+        t = lambda role: layer_tensor(i, role)  # noqa: E731
+        yield rnd.tensor(t("attn_norm"), (hp.hidden,), dense, ones=True)
+        yield rnd.tensor(t("q"), (q_dim, hp.hidden), dense)
+        yield rnd.tensor(t("k"), (kv_dim, hp.hidden), dense)
+        yield rnd.tensor(t("v"), (kv_dim, hp.hidden), dense)
+        yield rnd.tensor(t("o"), (hp.hidden, q_dim), dense)
+        if arch.attn_bias:
+            for role, dim in (("q_bias", q_dim), ("k_bias", kv_dim), ("v_bias", kv_dim)):
+                yield rnd.tensor(t(role), (dim,), QType.F32)
+        if arch.qk_norm != "none":
+            full = arch.qk_norm == "full"
+            yield rnd.tensor(t("q_norm"), (q_dim if full else hp.head_dim,), dense, ones=True)
+            yield rnd.tensor(t("k_norm"), (kv_dim if full else hp.head_dim,), dense, ones=True)
+        yield rnd.tensor(t("ffn_norm"), (hp.hidden,), dense, ones=True)
+        yield from _ffn_tensors(preset, rnd, i)
+    yield rnd.tensor(GLOBAL_TENSORS["norm"], (hp.hidden,), dense, ones=True)
+    yield rnd.tensor(GLOBAL_TENSORS["output"], (hp.vocab_size, hp.hidden), dense)
+
+
+def _ffn_tensors(preset: Preset, rnd: _Random, i: int) -> Iterator[TensorSpec]:
+    hp, t = preset.hparams, lambda role: layer_tensor(i, role)
+    dense = preset.dense_type
+    if i in preset.dense_layers:
+        yield rnd.tensor(t("gate"), (hp.dense_ff, hp.hidden), dense)
+        yield rnd.tensor(t("up"), (hp.dense_ff, hp.hidden), dense)
+        yield rnd.tensor(t("down"), (hp.hidden, hp.dense_ff), dense)
+        return
+    e, ff = hp.num_experts, hp.expert_ff
+    yield rnd.tensor(t("router"), (e, hp.hidden), QType.F32)
+    yield rnd.tensor(t("gate_exps"), (e, ff, hp.hidden), preset.expert_type)
+    yield rnd.tensor(t("up_exps"), (e, ff, hp.hidden), preset.expert_type)
+    yield rnd.tensor(t("down_exps"), (e, hp.hidden, ff), preset.expert_type)
+    if get_arch(hp.arch).shared_expert:
+        yield rnd.tensor(t("gate_shexp"), (hp.shared_ff, hp.hidden), dense)
+        yield rnd.tensor(t("up_shexp"), (hp.shared_ff, hp.hidden), dense)
+        yield rnd.tensor(t("down_shexp"), (hp.hidden, hp.shared_ff), dense)
+        yield rnd.tensor(t("shared_gate_inp"), (hp.hidden,), QType.F32)
+
+
+def padded_vocab(vocab: dict[str, Any], size: int) -> dict[str, Any]:
+    """Tokenizer metadata padded with unused tokens to the model's vocabulary size."""
+    tokens = list(vocab["tokenizer.ggml.tokens"])
+    if size < len(tokens):
+        raise ValueError(f"vocabulary of {size} is smaller than the tokenizer's {len(tokens)} tokens")
+    extra = size - len(tokens)
+    return {**vocab, "tokenizer.ggml.tokens": tokens + [f"<|unused_{i}|>" for i in range(extra)],
+            "tokenizer.ggml.token_type": list(vocab["tokenizer.ggml.token_type"]) + [TOKEN_TYPE_UNUSED] * extra}
+
+
+def write_synth(path: str | Path, preset: Preset, vocab: dict[str, Any], seed: int = 0,
+                split_max_bytes: int = 0, progress: Callable[[int, int], None] | None = None) -> list[Path]:
+    """Write a random-weight model. A preset with vocab_size 0 takes the tokenizer's size."""
+    size = preset.hparams.vocab_size or len(vocab["tokenizer.ggml.tokens"])
+    preset = replace(preset, hparams=replace(preset.hparams, vocab_size=size))
+    arch = get_arch(preset.hparams.arch)
+    metadata = {**arch.metadata(preset.hparams), "general.name": f"moecache synth {preset.name}",
+                **padded_vocab(vocab, size)}
+    return write_gguf(path, arch.name, metadata, model_tensors(preset, seed), split_max_bytes=split_max_bytes,
+                      progress=progress)
+
+
+def with_overrides(preset: Preset, **overrides: Any) -> Preset:
+    """A preset with some hyperparameters changed (`num_layers=4`, `num_experts=16`, ...)."""
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    return replace(preset, hparams=replace(preset.hparams, **fields)) if fields else preset

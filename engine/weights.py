@@ -1,0 +1,173 @@
+"""Model weights from a GGUF file: dense tensors dequantized to the compute dtype on the device, routed
+experts left as raw GGUF bytes in the file's memory map (placement happens in the expert cache)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.arch import ArchSpec, HParams, get_arch
+from engine.arch.base import GLOBAL_TENSORS, layer_tensor
+from engine.gguf.reader import GGUFError, GGUFFile, TensorInfo
+from ops.cpu_experts import ExpertWeights
+from ops.quants import dequantize, format_of
+
+
+@dataclass(frozen=True)
+class DenseFFN:
+    gate: torch.Tensor  # [ff, hidden]
+    up: torch.Tensor  # [ff, hidden]
+    down: torch.Tensor  # [hidden, ff]
+
+
+@dataclass(frozen=True)
+class Attention:
+    q: torch.Tensor  # [heads * head_dim, hidden]
+    k: torch.Tensor  # [kv_heads * head_dim, hidden]
+    v: torch.Tensor  # [kv_heads * head_dim, hidden]
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [head_dim] or [heads * head_dim]
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class MoE:
+    router: torch.Tensor  # [experts, hidden]
+    experts: ExpertWeights  # raw GGUF bytes, host memory map
+    shared: DenseFFN | None = None
+    shared_gate: torch.Tensor | None = None  # [hidden]
+
+
+@dataclass(frozen=True)
+class Layer:
+    attn_norm: torch.Tensor
+    attn: Attention
+    ffn_norm: torch.Tensor
+    ffn: DenseFFN | MoE
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    hparams: HParams
+    arch: ArchSpec
+    embed: torch.Tensor  # [vocab, hidden]
+    norm: torch.Tensor
+    output: torch.Tensor  # [vocab, hidden]; the embedding when tied
+    layers: tuple[Layer, ...]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)]
+
+
+def host_bytes(info: TensorInfo) -> torch.Tensor:
+    """Zero-copy uint8 torch view of a tensor's bytes in the (read-only) memory map."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the map is not writable
+        return torch.from_numpy(info.raw())
+
+
+class WeightLoader:
+    def __init__(self, gguf: GGUFFile, device: torch.device, dtype: torch.dtype,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.gguf, self.device, self.dtype, self.progress = gguf, device, dtype, progress
+        self.arch = get_arch(gguf.architecture)
+        vocab = gguf.get("tokenizer.ggml.tokens")
+        embed = gguf.tensor(GLOBAL_TENSORS["embed"])
+        try:
+            self.hp = self.arch.hparams(gguf.metadata, len(vocab) if vocab else embed.shape[0])
+        except KeyError as exc:
+            raise GGUFError(f"{gguf.path}: metadata key {exc} is missing") from None
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
+        info = self.gguf.tensor(name, shape)
+        try:
+            format_of(info.qtype)
+        except ValueError:
+            raise GGUFError(f"{info.path}: tensor '{name}' has unsupported type {info.qtype.name}") from None
+        if self.progress:
+            self.progress(info.num_bytes)
+        return info
+
+    def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        info = self.tensor(name, shape)
+        values = dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape)
+        return values.to(self.device, self.dtype)
+
+    def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.dense(name, shape) if self.gguf.has(name) else None
+
+    def load(self) -> ModelWeights:
+        hp, g = self.hp, GLOBAL_TENSORS
+        embed = self.dense(g["embed"], (hp.vocab_size, hp.hidden))
+        output = self.optional(g["output"], (hp.vocab_size, hp.hidden))
+        layers = tuple(self.layer(i) for i in range(hp.num_layers))
+        norm = self.dense(g["norm"], (hp.hidden,))
+        return ModelWeights(hp, self.arch, embed, norm, embed if output is None else output, layers)
+
+    def layer(self, i: int) -> Layer:
+        hp, t = self.hp, lambda role: layer_tensor(i, role)
+        ffn = self.moe(i) if self.gguf.has(t("router")) else self.dense_ffn(i, "gate", "up", "down", hp.dense_ff)
+        return Layer(self.dense(t("attn_norm"), (hp.hidden,)), self.attention(i),
+                     self.dense(t("ffn_norm"), (hp.hidden,)), ffn)
+
+    def attention(self, i: int) -> Attention:
+        hp, t = self.hp, lambda role: layer_tensor(i, role)
+        q_dim, kv_dim = hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
+        norm_dim = {"head": hp.head_dim, "full": q_dim, "none": 0}[self.arch.qk_norm]
+        k_norm_dim = kv_dim if self.arch.qk_norm == "full" else norm_dim
+        return Attention(
+            q=self.dense(t("q"), (q_dim, hp.hidden)),
+            k=self.dense(t("k"), (kv_dim, hp.hidden)),
+            v=self.dense(t("v"), (kv_dim, hp.hidden)),
+            o=self.dense(t("o"), (hp.hidden, q_dim)),
+            q_bias=self.optional(t("q_bias"), (q_dim,)),
+            k_bias=self.optional(t("k_bias"), (kv_dim,)),
+            v_bias=self.optional(t("v_bias"), (kv_dim,)),
+            q_norm=self.dense(t("q_norm"), (norm_dim,)) if norm_dim else None,
+            k_norm=self.dense(t("k_norm"), (k_norm_dim,)) if norm_dim else None,
+        )
+
+    def dense_ffn(self, i: int, gate: str, up: str, down: str, ff: int) -> DenseFFN:
+        hp, t = self.hp, lambda role: layer_tensor(i, role)
+        if not ff:
+            ff = self.gguf.tensor(t(gate)).shape[0]
+        return DenseFFN(self.dense(t(gate), (ff, hp.hidden)), self.dense(t(up), (ff, hp.hidden)),
+                        self.dense(t(down), (hp.hidden, ff)))
+
+    def moe(self, i: int) -> MoE:
+        hp, t = self.hp, lambda role: layer_tensor(i, role)
+        shared = shared_gate = None
+        if self.arch.shared_expert:
+            shared = self.dense_ffn(i, "gate_shexp", "up_shexp", "down_shexp", hp.shared_ff)
+            shared_gate = self.dense(t("shared_gate_inp"), (hp.hidden,))
+        return MoE(self.dense(t("router"), (hp.num_experts, hp.hidden)), self.experts(i), shared, shared_gate)
+
+    def experts(self, i: int) -> ExpertWeights:
+        hp, t = self.hp, lambda role: layer_tensor(i, role)
+        gate = self.tensor(t("gate_exps"), (hp.num_experts, hp.expert_ff, hp.hidden))
+        up = self.tensor(t("up_exps"), (hp.num_experts, hp.expert_ff, hp.hidden))
+        down = self.tensor(t("down_exps"), (hp.num_experts, hp.hidden, hp.expert_ff))
+        return ExpertWeights(host_bytes(gate), host_bytes(up), host_bytes(down),
+                             gate.qtype, up.qtype, down.qtype, hp.hidden, hp.expert_ff)
+
+
+def load_weights(gguf: GGUFFile, device: torch.device, dtype: torch.dtype,
+                 progress: Callable[[int], None] | None = None) -> ModelWeights:
+    try:
+        return WeightLoader(gguf, device, dtype, progress).load()
+    except ValueError as exc:
+        if isinstance(exc, GGUFError):
+            raise
+        raise GGUFError(f"{gguf.path}: {exc}") from exc
+
+
+def expert_bytes(experts: ExpertWeights) -> int:
+    """Bytes of one routed expert: gate + up + down."""
+    return sum(t[0].numel() for t in (experts.gate, experts.up, experts.down))

@@ -1,0 +1,41 @@
+"""The `moecache` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.gguf.reader import GGUFError
+from engine.types import RequestError
+from service.commands import generate, synth
+from service.options import apply_env_defaults
+
+COMMANDS = (generate, synth)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moecache", description="Mixture-of-Experts inference with a GPU "
+                                     "expert cache: experts in host RAM, the hot ones on the GPU.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        apply_env_defaults(command.register(sub))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except (GGUFError, RequestError, FileNotFoundError) as exc:
+        print(f"moecache: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
