@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ops.cpu_experts import ExpertWeights
+from ops.cpu_experts import ExpertWeights, expert_ffn_cpu, load_native
 from ops.quants import dequantize
 
 
@@ -41,6 +41,11 @@ def expert_ffn_torch(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.
         y = swiglu_expert(x[tokens].float(), *dequantize_expert(bank, row, x.device))
         out.index_add_(0, tokens, y * weights[pairs, None].float())
     return out
+
+
+def native_supports(bank: ExpertWeights) -> bool:
+    native = load_native()
+    return native is not None and native.supports(bank)
 
 
 def expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("gguf").setLevel(logging.WARNING)
     try:
         return args.run(args)
     except (GGUFError, RequestError, FileNotFoundError) as exc:

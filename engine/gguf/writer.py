@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from ops.quants import QType, quantize, row_bytes
+from ops.quants import QType, quantize
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,15 @@ class TensorSpec:
     make: Callable[[], np.ndarray | torch.Tensor]  # raw bytes uint8 [..., row_bytes], made on demand
 
     @property
+    def row_bytes(self) -> int:
+        block_size, type_size = GGML_QUANT_SIZES[self.qtype]
+        if self.shape[-1] % block_size:
+            raise ValueError(f"tensor '{self.name}': a row of {self.shape[-1]} is not whole {self.qtype.name} blocks")
+        return self.shape[-1] // block_size * type_size
+
+    @property
     def num_bytes(self) -> int:
-        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
-        return rows * row_bytes(self.qtype, self.shape[-1])
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) * self.row_bytes
 
 
 def tensor_from_float(name: str, x: torch.Tensor, qtype: QType = QType.F32) -> TensorSpec:
@@ -83,7 +89,7 @@ def write_gguf(
         if key != "general.architecture":
             _add_metadata(writer, key, value)
     for spec in specs:
-        byte_shape = (*spec.shape[:-1], row_bytes(spec.qtype, spec.shape[-1]))
+        byte_shape = (*spec.shape[:-1], spec.row_bytes)
         writer.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8), spec.num_bytes, raw_dtype=spec.qtype)
     paths = writer.format_shard_names(path)
     writer.write_header_to_file()

@@ -42,7 +42,7 @@ def prompt_ids(engine: LLMEngine, args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args), progress=ProgressBar())
-    print(engine.cache.describe(), file=sys.stderr)
+    print(engine.cache.describe(), file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
                             seed=args.seed, ignore_eos=args.ignore_eos)
@@ -61,6 +61,5 @@ def run(args: argparse.Namespace) -> int:
     decode = end - (first or end)
     print(f"prompt: {len(ids)} tokens, {len(ids) / prefill:.1f} tokens/s | decode: {generated} tokens, "
           f"{max(generated - 1, 0) / decode if decode > 0 else 0:.1f} tokens/s", file=sys.stderr)
-    for line in engine.close():
-        print(line, file=sys.stderr)
+    engine.close()
     return 0

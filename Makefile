@@ -1,0 +1,26 @@
+# Two entry points on a fresh machine: `make run` (serve the embedded model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+.PHONY: install run test lint
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/moecache serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check engine ops service tests
+	$(BIN)/mypy engine ops service

@@ -1,0 +1,132 @@
+"""The synchronous engine on a real GGUF with a real tokenizer: batching, stops, seeds, aborts, limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig, ModelConfig, SchedulerConfig
+from engine.detok import TextOutput, held_back
+from engine.llm_engine import LLMEngine
+from engine.types import Request, RequestError, RequestOutput, SamplingParams
+
+
+def make_engine(path: Path, **sched: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=ModelConfig(str(path), device="cpu", max_context=256),
+                                  scheduler=SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 64,
+                                                               **sched})))
+
+
+def run_all(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    outs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    return outs
+
+
+def text_of(outs: list[RequestOutput]) -> str:
+    return "".join(o.new_text for o in outs)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_gguf: Path) -> LLMEngine:
+    return make_engine(tiny_gguf)
+
+
+def prompt(engine: LLMEngine, text: str = "The quick brown fox") -> tuple[int, ...]:
+    return tuple(engine.tokenizer.encode(text))
+
+
+def test_max_tokens_and_finish_reason(engine: LLMEngine) -> None:
+    engine.add_request(Request("a", prompt(engine), SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)))
+    outs = run_all(engine)["a"]
+    assert sum(len(o.new_token_ids) for o in outs) == 7
+    assert outs[-1].finished and outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
+    ids = [t for o in outs for t in o.new_token_ids]
+    assert text_of(outs) == engine.tokenizer.decode(ids)
+
+
+def test_batched_greedy_equals_alone(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    texts = ["Hello there", "Once upon a time in a land", "1 2 3"]
+    alone = {}
+    for i, t in enumerate(texts):
+        engine.add_request(Request(f"s{i}", prompt(engine, t), params))
+        alone[f"s{i}"] = text_of(run_all(engine)[f"s{i}"])
+    for i, t in enumerate(texts):
+        engine.add_request(Request(f"s{i}", prompt(engine, t), params))
+    together = {k: text_of(v) for k, v in run_all(engine).items()}
+    assert together == alone
+
+
+def test_same_seed_same_text(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=42, ignore_eos=True)
+    engine.add_request(Request("x", prompt(engine), params))
+    first = text_of(run_all(engine)["x"])
+    engine.add_request(Request("y", prompt(engine), params))
+    engine.add_request(Request("z", prompt(engine, "other"), SamplingParams(max_tokens=16, seed=1)))
+    assert text_of(run_all(engine)["y"]) == first
+
+
+def test_stop_string_cuts_the_text(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engine.add_request(Request("a", prompt(engine), params))
+    full = text_of(run_all(engine)["a"])
+    stop = full[8:11]
+    assert len(stop) == 3 and full.find(stop) == 8
+    engine.add_request(Request("b", prompt(engine), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                                   stop=(stop,))))
+    outs = run_all(engine)["b"]
+    assert text_of(outs) == full[:8] and outs[-1].finish_reason == "stop"
+
+
+def test_stop_token_ends_without_its_text(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engine.add_request(Request("a", prompt(engine), params))
+    ids = [t for o in run_all(engine)["a"] for t in o.new_token_ids]
+    engine.add_request(Request("b", prompt(engine), SamplingParams(max_tokens=24, temperature=0,
+                                                                   stop_token_ids=(ids[5],))))
+    outs = run_all(engine)["b"]
+    got = [t for o in outs for t in o.new_token_ids]
+    assert got == ids[:ids.index(ids[5]) + 1] and outs[-1].finish_reason == "stop"
+    assert text_of(outs) == engine.tokenizer.decode(got[:-1])
+
+
+def test_abort_frees_the_slot(engine: LLMEngine) -> None:
+    engine.add_request(Request("a", prompt(engine), SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.step()
+    out = engine.abort("a")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert engine.scheduler.num_running == 0 and not engine.has_unfinished()
+    assert engine.abort("a") is None
+
+
+def test_context_overflow_is_a_request_error(engine: LLMEngine) -> None:
+    with pytest.raises(RequestError, match=r"maximum context length is 256 tokens.*prompt has 4 tokens"):
+        engine.add_request(Request("a", prompt(engine), SamplingParams(max_tokens=300)))
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request(Request("b", (), SamplingParams()))
+    assert not engine.has_unfinished()
+
+
+def test_more_requests_than_slots_all_finish(tiny_gguf: Path) -> None:
+    engine = make_engine(tiny_gguf, max_num_seqs=2, max_num_batched_tokens=16)
+    for i in range(5):
+        engine.add_request(Request(f"r{i}", prompt(engine, f"request number {i} " * 3),
+                                   SamplingParams(max_tokens=5, ignore_eos=True)))
+    outs = run_all(engine)
+    assert sorted(outs) == [f"r{i}" for i in range(5)]
+    assert all(o[-1].finish_reason == "length" for o in outs.values())
+    assert engine.stats().num_running == 0 and engine.scheduler.free_slots
+
+
+def test_held_back_and_text_output(engine: LLMEngine) -> None:
+    assert held_back("abc<|e", ("<|end|>",)) == 3 and held_back("abc", ("xyz",)) == 0
+    out = TextOutput(engine.tokenizer, ("STOP",))
+    out._append("hello ST")
+    assert out.emit() == "hello "
+    out._append("OP and more")
+    assert out.hit_stop and out.finish() == ""
+    assert out.text == "hello "

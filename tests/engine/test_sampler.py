@@ -1,0 +1,104 @@
+"""Sampling: greedy, temperature, top-k/p, min-p, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.sampler import SamplingState, apply_penalties, filter_logits, make_generator, sample
+from engine.types import RequestError, SamplingParams
+
+
+def state(params: SamplingParams, prompt=(), output=()) -> SamplingState:
+    return SamplingState(params, list(prompt), list(output), make_generator(params.seed, torch.device("cpu")))
+
+
+def draws(logits: torch.Tensor, params: SamplingParams, n: int = 400) -> Counter:
+    st = state(params)
+    return Counter(sample(logits[None], [st])[0][0] for _ in range(n))
+
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, -1.0, -3.0])
+
+
+def test_greedy_takes_the_argmax() -> None:
+    assert sample(LOGITS[None], [state(SamplingParams(temperature=0.0))])[0] == [0]
+    assert draws(LOGITS, SamplingParams(temperature=1.0, top_k=1), 20) == Counter({0: 20})
+
+
+def test_sampling_follows_the_distribution() -> None:
+    counts = draws(LOGITS, SamplingParams(temperature=1.0, seed=3), 4000)
+    probs = torch.softmax(LOGITS, -1)
+    for token, p in enumerate(probs.tolist()):
+        assert abs(counts[token] / 4000 - p) < 0.03
+
+
+def test_top_k_top_p_min_p_restrict_the_support() -> None:
+    assert set(draws(LOGITS, SamplingParams(top_k=2, seed=1))) == {0, 1}
+    probs = torch.softmax(LOGITS, -1).tolist()
+    # top_p 0.6: tokens 0 (0.41) and 1 (0.25) cross 0.6 -> exactly {0, 1}
+    assert probs[0] < 0.6 < probs[0] + probs[1]
+    assert set(draws(LOGITS, SamplingParams(top_p=0.6, seed=1))) == {0, 1}
+    # min_p 0.5: keep tokens with p >= 0.5 * p_max -> 0 and 1 (0.61 of max), not 2 (0.37)
+    assert set(draws(LOGITS, SamplingParams(min_p=0.5, seed=1))) == {0, 1}
+
+
+def test_filters_leave_at_least_one_token() -> None:
+    out = filter_logits(LOGITS.clone(), SamplingParams(top_p=1e-6, top_k=3, min_p=0.99))
+    assert torch.isfinite(out).sum() == 1 and int(out.argmax()) == 0
+
+
+def test_temperature_sharpens_and_flattens() -> None:
+    cold = draws(LOGITS, SamplingParams(temperature=0.1, seed=2))
+    hot = draws(LOGITS, SamplingParams(temperature=5.0, seed=2))
+    assert cold[0] > 390 and len(hot) == 6
+
+
+def test_same_seed_same_tokens_different_seed_differs() -> None:
+    a = [sample(LOGITS[None], [s])[0][0] for s in [state(SamplingParams(seed=5))] for _ in range(30)]
+    b = [sample(LOGITS[None], [s])[0][0] for s in [state(SamplingParams(seed=5))] for _ in range(30)]
+    c = [sample(LOGITS[None], [s])[0][0] for s in [state(SamplingParams(seed=6))] for _ in range(30)]
+    assert a == b and a != c
+
+
+def test_seeded_row_does_not_depend_on_its_batch() -> None:
+    alone = state(SamplingParams(seed=9))
+    batched, other = state(SamplingParams(seed=9)), state(SamplingParams(seed=1))
+    two = torch.stack([LOGITS, LOGITS.flip(0)])
+    for _ in range(20):
+        assert sample(LOGITS[None], [alone])[0][0] == sample(two, [batched, other])[0][0]
+
+
+def test_repetition_penalty_pushes_seen_tokens_down() -> None:
+    logits = torch.tensor([2.0, 1.9, -1.0, -1.1])
+    out = apply_penalties(logits.clone(), state(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[2]))
+    assert out.tolist() == pytest.approx([1.0, 1.9, -2.0, -1.1])
+    assert int(out.argmax()) == 1
+
+
+def test_presence_and_frequency_penalties_count_output_tokens() -> None:
+    out = apply_penalties(torch.zeros(4), state(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+                                                prompt=[3], output=[1, 1, 2]))
+    assert out.tolist() == pytest.approx([0.0, -1.0, -0.75, 0.0])
+
+
+def test_logprobs_are_the_model_distribution() -> None:
+    tokens, lps = sample(LOGITS[None], [state(SamplingParams(temperature=0.0, logprobs=2))])
+    lp = lps[0]
+    expected = torch.log_softmax(LOGITS, -1)
+    assert lp.token_id == tokens[0] == 0
+    assert math.isclose(lp.logprob, float(expected[0]), rel_tol=1e-6)
+    assert [t for t, _ in lp.top] == [0, 1]
+    assert sample(LOGITS[None], [state(SamplingParams())])[1] == [None]
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5),
+                                         ("max_tokens", 0), ("logprobs", 50), ("temperature", float("nan")),
+                                         ("stop", ("",))])
+def test_invalid_params_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(RequestError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field

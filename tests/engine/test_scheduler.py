@@ -1,0 +1,71 @@
+"""Continuous batching without torch: decode first, chunked prefill, slots freed at once."""
+
+from __future__ import annotations
+
+from engine.config import SchedulerConfig
+from engine.scheduler import Scheduler
+from engine.types import Request
+
+
+def req(rid: str, n: int) -> Request:
+    return Request(rid, tuple(range(1, n + 1)))
+
+
+def run_step(s: Scheduler, next_token: int = 7) -> dict[str, tuple]:
+    out = s.schedule()
+    by_id = {seq.request_id: seq for seq in out.seqs}
+    for seq in s.running:
+        if seq.request_id in by_id and by_id[seq.request_id].samples:
+            s.append_token(seq, next_token)
+    return {k: (v.start, len(v.token_ids), v.samples) for k, v in by_id.items()}
+
+
+def test_prompt_then_decode() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16))
+    s.add(req("a", 5))
+    assert run_step(s) == {"a": (0, 5, True)}
+    assert run_step(s) == {"a": (5, 1, True)}
+    assert run_step(s) == {"a": (6, 1, True)}
+
+
+def test_long_prompt_is_chunked_and_decoders_go_first() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8))
+    s.add(req("a", 3))
+    run_step(s)
+    s.add(req("b", 20))
+    assert run_step(s) == {"a": (3, 1, True), "b": (0, 7, False)}
+    assert run_step(s) == {"a": (4, 1, True), "b": (7, 7, False)}
+    assert run_step(s) == {"a": (5, 1, True), "b": (14, 6, True)}
+    assert run_step(s) == {"a": (6, 1, True), "b": (20, 1, True)}
+
+
+def test_slots_limit_admission_and_are_freed_at_once() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+    for rid in "abc":
+        s.add(req(rid, 4))
+    first = run_step(s)
+    assert set(first) == {"a", "b"} and s.num_waiting == 1
+    slot_a = next(q.slot for q in s.running if q.request_id == "a")
+    s.abort("a")
+    out = s.schedule()
+    assert "a" in out.finished_ids
+    c = next(q for q in s.running if q.request_id == "c")
+    assert c.slot == slot_a and {q.request_id for q in out.seqs} == {"b", "c"}
+
+
+def test_finish_releases_slot_and_kv_usage() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=100))
+    seq = s.add(req("a", 4))
+    run_step(s)
+    assert s.kv_usage() == 5 / 100
+    s.finish(seq)
+    assert s.free_slots == [0] and s.kv_usage() == 0 and not s.has_work()
+
+
+def test_abort_waiting_request() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8))
+    s.add(req("a", 4))
+    s.add(req("b", 4))
+    run_step(s)
+    assert s.abort("b") is not None and s.num_waiting == 0
+    assert s.abort("zzz") is None
