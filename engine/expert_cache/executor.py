@@ -67,7 +67,7 @@ class ExpertCache:
         self.copies = CopyEngine(device)
         self.cpu = ThreadPoolExecutor(1, thread_name_prefix="moecache-cpu-experts")
         self.split: MissSplit = measure_split(cfg.miss_mode, device, next(iter(host.values()), None))
-        self.stats = CacheStats()
+        self.stats = CacheStats(plan.cache_bytes, plan.num_slots)
         self.profile = Profile() if cfg.profile_out else None
         self.trace = TraceRecorder() if cfg.record_trace else None
         self._records: list[LayerRecord] = []
@@ -196,6 +196,11 @@ class ExpertCache:
         self.table.set(publish)
 
     # -- introspection ----------------------------------------------------------------------------
+    def table_residents(self) -> dict[tuple[int, int], int]:
+        """Published (layer, expert) -> slot, as the next step will see them."""
+        return {(layer, expert): int(self.table.host[layer, expert])
+                for layer, expert in (self.table.host >= 0).nonzero().tolist()}
+
     def snapshot(self) -> CacheStatsSnapshot:
         return self.stats.snapshot()
 
