@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -20,7 +21,7 @@ from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model, SeqSpan
-from engine.routing import RoutingSource, parse_routing
+from engine.routing import RoutingSource, TraceRecorder, parse_routing
 from engine.sampler import SamplingState, make_generator, sample
 from engine.scheduler import Scheduler, Sequence
 from engine.types import Request, RequestError, RequestOutput, SchedulerOutput, StepOutput, TokenLogprob
@@ -82,6 +83,7 @@ class LLMEngine:
         self.routing: RoutingSource | None = parse_routing(config.routing, len(self.weights.moe_layers),
                                                            hp.num_experts, hp.top_k)
         self.requests: dict[str, RequestState] = {}
+        self.trace_streams: dict[str, list[np.ndarray]] | None = {} if config.cache.record_trace else None
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self._decode_rate = 0.0
 
@@ -120,6 +122,8 @@ class LLMEngine:
         if state is None:
             return None
         self.scheduler.abort(request_id)
+        if self.routing is not None:
+            self.routing.release(request_id)
         return self._output(state, (), (), "abort")
 
     def has_unfinished(self) -> bool:
@@ -132,6 +136,7 @@ class LLMEngine:
             return []
         result = self.execute(sched)  # 2. forward + sample on the device
         self.cache.end_step()  # 3. cache bookkeeping and promotions, between steps
+        self._record_trace(sched)
         return self.update(sched, result)  # 4. tokens -> text, stops, finished requests
 
     def execute(self, sched: SchedulerOutput) -> StepOutput:
@@ -153,6 +158,24 @@ class LLMEngine:
             return None
         per_token = [s.request_id for s in sched.seqs for _ in s.token_ids]
         return torch.from_numpy(self.routing.route(per_token))  # [moe_layers, tokens, top_k]
+
+    def _record_trace(self, sched: SchedulerOutput) -> None:
+        """Keep each request's routing as its own stream: a trace is the tokens of one sequence."""
+        if self.trace_streams is None or self.cache.last_routing is None:
+            return
+        row = 0
+        for s in sched.seqs:
+            ids = self.cache.last_routing[:, row:row + len(s.token_ids)].transpose(1, 0, 2)
+            self.trace_streams.setdefault(s.request_id, []).append(ids)
+            row += len(s.token_ids)
+
+    def save_trace(self, path: str) -> None:
+        """Every recorded request's routing, one sequence after another, as one trace file."""
+        recorder = TraceRecorder(self.weights.hparams.num_experts, "recorded",
+                                 tuple(self.weights.moe_layers))
+        for chunks in (self.trace_streams or {}).values():
+            recorder.add_step(np.concatenate(chunks).transpose(1, 0, 2))
+        recorder.save(path)
 
     def update(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         outputs = []
@@ -187,6 +210,8 @@ class LLMEngine:
     def _finish(self, state: RequestState, tokens: tuple[int, ...], lps: tuple, reason: str) -> RequestOutput:
         self.requests.pop(state.seq.request_id, None)
         self.scheduler.finish(state.seq)
+        if self.routing is not None:
+            self.routing.release(state.seq.request_id)
         return self._output(state, tokens, lps, reason)
 
     @staticmethod
@@ -203,6 +228,8 @@ class LLMEngine:
     def close(self) -> None:
         for line in self.cache.close():
             log.info(line)
+        if self.config.cache.record_trace and self.trace_streams:
+            self.save_trace(self.config.cache.record_trace)
 
 
 def _bytes_progress(progress: Callable[[str, int, int], None] | None,

@@ -145,15 +145,17 @@ def padded_vocab(vocab: dict[str, Any], size: int) -> dict[str, Any]:
 
 
 def write_synth(path: str | Path, preset: Preset, vocab: dict[str, Any], seed: int = 0,
-                split_max_bytes: int = 0, progress: Callable[[int, int], None] | None = None) -> list[Path]:
-    """Write a random-weight model. A preset with vocab_size 0 takes the tokenizer's size."""
+                split_max_bytes: int = 0, progress: Callable[[int, int], None] | None = None,
+                sparse: bool = False) -> list[Path]:
+    """Write a random-weight model. A preset with vocab_size 0 takes the tokenizer's size. `sparse`:
+    shapes only, the data a hole of zeros (for `moecache plan`)."""
     size = preset.hparams.vocab_size or len(vocab["tokenizer.ggml.tokens"])
     preset = replace(preset, hparams=replace(preset.hparams, vocab_size=size))
     arch = get_arch(preset.hparams.arch)
     metadata = {**arch.metadata(preset.hparams), "general.name": f"moecache synth {preset.name}",
                 **padded_vocab(vocab, size)}
     return write_gguf(path, arch.name, metadata, model_tensors(preset, seed), split_max_bytes=split_max_bytes,
-                      progress=progress)
+                      progress=progress, sparse=sparse)
 
 
 def with_overrides(preset: Preset, **overrides: Any) -> Preset:

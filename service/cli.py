@@ -6,12 +6,10 @@ import argparse
 import logging
 import sys
 
-from engine.gguf.reader import GGUFError
-from engine.types import RequestError
-from service.commands import generate, synth
+from service.commands import generate, plan, serve, synth
 from service.options import apply_env_defaults
 
-COMMANDS = (generate, synth)
+COMMANDS = (generate, synth, plan, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("gguf").setLevel(logging.WARNING)
     try:
         return args.run(args)
-    except (GGUFError, RequestError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad files, budgets, configs (GGUFError, CacheBudgetError, ...)
+        if args.verbose:
+            raise
         print(f"moecache: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

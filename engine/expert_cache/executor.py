@@ -23,7 +23,6 @@ from engine.expert_cache.profile import Profile
 from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot, batch_class
 from engine.expert_cache.split import MissSplit, measure_split
 from engine.moe import flatten_pairs
-from engine.routing import TraceRecorder
 from engine.weights import ModelWeights, expert_bytes
 from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
 from ops.expert_ffn import expert_ffn
@@ -69,7 +68,9 @@ class ExpertCache:
         self.split: MissSplit = measure_split(cfg.miss_mode, device, next(iter(host.values()), None))
         self.stats = CacheStats(plan.cache_bytes, plan.num_slots)
         self.profile = Profile() if cfg.profile_out else None
-        self.trace = TraceRecorder() if cfg.record_trace else None
+        self.recording = cfg.record_trace is not None
+        self.last_routing: np.ndarray | None = None  # [moe_layers, tokens, top_k] of the last step, if recording
+        self._routed: list[torch.Tensor] = []
         self._records: list[LayerRecord] = []
         self._step_tokens = 0
         self._streamed = self._cpu_experts = 0
@@ -83,6 +84,8 @@ class ExpertCache:
     def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
+        if self.recording:
+            self._routed.append(expert_ids)
         if layer in self.resident:
             return expert_ffn(x, tokens, experts, pair_weights, self.resident[layer]).to(x.dtype)
         self._step_tokens = x.shape[0]
@@ -137,7 +140,9 @@ class ExpertCache:
         """Stats, policy and promotions for the step just computed; publish finished copies."""
         if self._records:
             self._account(self._records, self._step_tokens)
-        self._records, self._streamed, self._cpu_experts = [], 0, 0
+        if self._routed:
+            self.last_routing = torch.stack(self._routed).cpu().numpy()
+        self._records, self._routed, self._streamed, self._cpu_experts = [], [], 0, 0
         self._publish_done()
 
     def _account(self, records: list[LayerRecord], num_tokens: int) -> None:
@@ -158,8 +163,6 @@ class ExpertCache:
         if self.profile is not None:
             for layer, ids in by_layer.items():
                 self.profile.add(layer, ids.tolist())
-        if self.trace is not None:
-            self.trace.add_step(np.stack([ids.reshape(num_tokens, -1) for ids in by_layer.values()]))
         if num_tokens > self.cfg.max_cached_batch:
             return  # NOTE: prefill never evicts the decode working set
         for gid, policy in self.policies.items():
@@ -218,8 +221,6 @@ class ExpertCache:
         self.cpu.shutdown(wait=True)
         if self.profile is not None and self.cfg.profile_out:
             self.profile.save(self.cfg.profile_out)
-        if self.trace is not None and self.cfg.record_trace:
-            self.trace.save(self.cfg.record_trace)
         return self.stats.summary_lines()
 
 

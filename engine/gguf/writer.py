@@ -72,6 +72,16 @@ def _raw_numpy(data: np.ndarray | torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(data).view(np.uint8)
 
 
+def _leave_hole(writer: GGUFWriter, specs: list[TensorSpec]) -> None:
+    fout = writer.fout[0]
+    pad = lambda n: -(-n // writer.data_alignment) * writer.data_alignment  # noqa: E731
+    end = pad(fout.tell())
+    for spec in specs:
+        end = pad(end + spec.num_bytes)
+    fout.truncate(end)
+    writer.close()
+
+
 def write_gguf(
     path: str | Path,
     arch: str,
@@ -80,10 +90,14 @@ def write_gguf(
     *,
     split_max_bytes: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    sparse: bool = False,
 ) -> list[Path]:
-    """Write a model; with `split_max_bytes` it is split into `-0000i-of-0000N.gguf` files."""
+    """Write a model; with `split_max_bytes` it is split into `-0000i-of-0000N.gguf` files. `sparse`
+    writes only the header and leaves the tensor data a hole of zeros (shapes for planning, not weights)."""
     path = Path(path)
     specs = list(tensors)
+    if sparse and split_max_bytes:
+        raise ValueError("a sparse model cannot be split")
     writer = GGUFWriter(path, arch, split_max_size=split_max_bytes)
     for key, value in metadata.items():
         if key != "general.architecture":
@@ -95,6 +109,9 @@ def write_gguf(
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    if sparse:
+        _leave_hole(writer, specs)
+        return [path]
     total = sum(s.num_bytes for s in specs)
     done = 0
     for spec in specs:

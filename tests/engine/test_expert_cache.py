@@ -21,6 +21,7 @@ from engine.expert_cache.profile import Profile
 from engine.gguf.reader import GGUFFile
 from engine.llm_engine import LLMEngine
 from engine.moe import ReferenceExperts
+from engine.routing import RoutingTrace
 from engine.synth import PRESETS, with_overrides, write_synth
 from engine.types import Request, SamplingParams
 from engine.weights import ModelWeights, expert_bytes, load_weights
@@ -248,3 +249,28 @@ def test_hybrid_split_sends_the_most_used_experts_to_the_device(weights: ModelWe
     assert snap.cpu_experts == unique - round(unique / 2) and snap.streamed_bytes == round(unique / 2) * \
         expert_bytes(weights.layers[0].ffn.experts)
     cache.close()
+
+
+def run_one(path: Path, trace_out: Path, routing: str = "model") -> list[int]:
+    cfg = EngineConfig(model=ModelConfig(str(path), device="cpu", max_context=128),
+                       cache=CacheConfig(cpu_moe=True, budget_mib=1, record_trace=str(trace_out)),
+                       scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32), routing=routing)
+    engine = LLMEngine(cfg)
+    engine.add_request(Request("a", tuple(engine.tokenizer.encode("a recorded request")),
+                               SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
+    ids = []
+    while engine.has_unfinished():
+        ids += [t for out in engine.step() for t in out.new_token_ids]
+    engine.close()
+    return ids
+
+
+def test_recorded_trace_replays_the_same_routing(small_moe_gguf: Path, tmp_path: Path) -> None:
+    first = run_one(small_moe_gguf, tmp_path / "first.npz")
+    trace = RoutingTrace.load(tmp_path / "first.npz")
+    num_prompt = len(LLMEngine(EngineConfig(model=ModelConfig(str(small_moe_gguf), device="cpu")))
+                     .tokenizer.encode("a recorded request"))
+    assert trace.expert_ids.shape == (num_prompt + 7, 4, 4) and trace.layers == (0, 1, 2, 3)
+    replayed = run_one(small_moe_gguf, tmp_path / "second.npz", routing=f"trace:{tmp_path / 'first.npz'}")
+    assert replayed == first
+    assert np.array_equal(RoutingTrace.load(tmp_path / "second.npz").expert_ids, trace.expert_ids)

@@ -1,0 +1,136 @@
+"""Expert-cache counters: hits and misses by layer group and batch class, bytes moved, copies.
+
+Torch-free and cheap per step; `CacheStats` is written by the engine thread and read by the metrics
+exporter and the shutdown log through immutable snapshots.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+BATCH_CLASSES = ("<=8", "9-32", ">32")
+DECODE_MAX_TOKENS = 32  # larger steps are prefill: they stage experts and never use the decode window
+
+
+def batch_class(num_tokens: int) -> str:
+    if num_tokens < 1:
+        raise ValueError(f"a step has at least one token, got {num_tokens}")
+    if num_tokens <= 8:
+        return BATCH_CLASSES[0]
+    return BATCH_CLASSES[1] if num_tokens <= DECODE_MAX_TOKENS else BATCH_CLASSES[2]
+
+
+def _ratio(hits: int, misses: int) -> float:
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    group_id: int
+    batch_class: str
+    hits: int
+    misses: int
+
+    @property
+    def hit_ratio(self) -> float:
+        return _ratio(self.hits, self.misses)
+
+
+@dataclass(frozen=True)
+class CacheStatsSnapshot:
+    groups: tuple[GroupStats, ...]  # one per (group, batch class) seen, sorted
+    uploaded_bytes: int
+    streamed_bytes: int
+    cpu_experts: int
+    promotions: int
+    evictions: int
+    cache_bytes: int
+    num_slots: int
+    recent_hit_ratio: float  # over the last decode steps (see CacheStats.recent_steps)
+
+    def _select(self, batch: str | None) -> list[GroupStats]:
+        if batch is not None and batch not in BATCH_CLASSES:
+            raise ValueError(f"unknown batch class {batch!r}; one of {BATCH_CLASSES}")
+        return [g for g in self.groups if batch is None or g.batch_class == batch]
+
+    def hits(self, batch: str | None = None) -> int:
+        """Hits of one batch class, or of all (None)."""
+        return sum(g.hits for g in self._select(batch))
+
+    def misses(self, batch: str | None = None) -> int:
+        return sum(g.misses for g in self._select(batch))
+
+    def hit_ratio(self, batch: str | None = None) -> float:
+        return _ratio(self.hits(batch), self.misses(batch))
+
+
+class CacheStats:
+    """Thread-safe counters; `record_*` take one lock and a few additions."""
+
+    def __init__(self, cache_bytes: int = 0, num_slots: int = 0, recent_steps: int = 64) -> None:
+        self.cache_bytes = cache_bytes
+        self.num_slots = num_slots
+        self.recent_steps = recent_steps
+        self._lock = threading.Lock()
+        self._hits: Counter[tuple[int, str]] = Counter()  # (group, batch class) -> picks
+        self._misses: Counter[tuple[int, str]] = Counter()
+        self._steps: Counter[str] = Counter()  # batch class -> steps
+        self._totals: Counter[str] = Counter()  # bytes, experts and copies by name
+        self._recent: deque[tuple[int, int]] = deque(maxlen=recent_steps)  # (hits, misses) per decode step
+
+    def record_step(
+        self,
+        num_tokens: int,
+        hits: Mapping[int, int],
+        misses: Mapping[int, int],
+        streamed_bytes: int = 0,
+        cpu_experts: int = 0,
+    ) -> None:
+        """One step: hits and misses per group (picks of routed experts in host RAM)."""
+        batch = batch_class(num_tokens)
+        with self._lock:
+            self._steps[batch] += 1
+            self._hits.update({(g, batch): n for g, n in hits.items()})
+            self._misses.update({(g, batch): n for g, n in misses.items()})
+            self._totals.update(streamed_bytes=streamed_bytes, cpu_experts=cpu_experts)
+            if num_tokens <= DECODE_MAX_TOKENS:
+                self._recent.append((sum(hits.values()), sum(misses.values())))
+
+    def record_copies(self, promotions: int, evictions: int, uploaded_bytes: int) -> None:
+        with self._lock:
+            self._totals.update(promotions=promotions, evictions=evictions, uploaded_bytes=uploaded_bytes)
+
+    def snapshot(self) -> CacheStatsSnapshot:
+        with self._lock:
+            keys = sorted(
+                set(self._hits) | set(self._misses), key=lambda k: (k[0], BATCH_CLASSES.index(k[1]))
+            )
+            groups = tuple(GroupStats(g, b, self._hits[(g, b)], self._misses[(g, b)]) for g, b in keys)
+            recent_hits = sum(h for h, _ in self._recent)
+            recent_misses = sum(m for _, m in self._recent)
+            totals = dict(self._totals)
+        return CacheStatsSnapshot(
+            groups=groups,
+            uploaded_bytes=totals.get("uploaded_bytes", 0),
+            streamed_bytes=totals.get("streamed_bytes", 0),
+            cpu_experts=totals.get("cpu_experts", 0),
+            promotions=totals.get("promotions", 0),
+            evictions=totals.get("evictions", 0),
+            cache_bytes=self.cache_bytes,
+            num_slots=self.num_slots,
+            recent_hit_ratio=_ratio(recent_hits, recent_misses),
+        )
+
+    def summary_lines(self) -> list[str]:
+        """One line per batch class, for the shutdown log."""
+        snap = self.snapshot()
+        with self._lock:
+            steps = dict(self._steps)
+        return [
+            f"expert cache, batches {b} tokens: {steps.get(b, 0)} steps, {snap.hits(b)} hits, "
+            f"{snap.misses(b)} misses, hit ratio {snap.hit_ratio(b):.1%}"
+            for b in BATCH_CLASSES
+        ]

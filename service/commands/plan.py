@@ -1,0 +1,111 @@
+"""`moecache plan`: how a model's routed experts would be placed and cached for a budget, and with a
+recorded routing trace, the hit rate each policy would get (replayed through the real policy code)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from engine.arch import get_arch
+from engine.arch.base import layer_tensor
+from engine.config import POLICIES
+from engine.expert_cache.placement import MiB
+from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache, smallest_useful_budget
+from engine.expert_cache.policy import PolicyConfig
+from engine.expert_cache.replay import profile_from_trace, replay
+from engine.gguf.reader import GGUFFile
+from engine.routing import RoutingTrace
+
+
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="show the expert cache a budget gives a model (and predicted hit rates)")
+    p.add_argument("model", help="GGUF file")
+    p.add_argument("--mib", type=int, default=None, help="cache budget (default: a sweep of budgets)")
+    p.add_argument("--n-cpu-moe", type=int, default=0, metavar="N", help="only the first N MoE layers in host RAM")
+    p.add_argument("--trace", default=None, help="a routing trace (--record-trace) to replay through each policy")
+    p.add_argument("--max-cached-batch", type=int, default=32)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=run)
+    return p
+
+
+def host_layers(gguf: GGUFFile, n_cpu_moe: int) -> list[LayerExperts]:
+    arch = get_arch(gguf.architecture)
+    num_layers, top_k = gguf.require(arch.key("block_count")), gguf.require(arch.key("expert_used_count"))
+    layers = []
+    for i in range(num_layers):
+        if not gguf.has(layer_tensor(i, "gate_exps")):
+            continue
+        infos = [gguf.tensor(layer_tensor(i, role)) for role in ("gate_exps", "up_exps", "down_exps")]
+        per_expert = sum(t.num_bytes // t.shape[0] for t in infos)
+        key = tuple((t.qtype.name, t.shape[1:]) for t in infos)
+        layers.append(LayerExperts(i, infos[0].shape[0], top_k, per_expert, key))
+    return layers[:n_cpu_moe] if n_cpu_moe else layers
+
+
+def describe(plan: CachePlan, layers: list[LayerExperts], max_batch: int) -> dict:
+    smallest = smallest_useful_budget(layers)
+    groups = [{**asdict(g), "cache_bytes": g.cache_bytes, "share": g.share, "largest_cached_batch": max_batch}
+              for g in plan.groups]
+    return {"budget_mib": plan.budget_bytes // MiB, "cache_bytes": plan.cache_bytes, "share": plan.share,
+            "smallest_useful_mib": smallest // MiB, "groups": groups, "warnings": list(plan.warnings)}
+
+
+def predicted_hit_rates(trace_path: str, plan: CachePlan) -> dict[str, float]:
+    trace = RoutingTrace.load(trace_path)
+    rates = {}
+    for policy in POLICIES:
+        profile = profile_from_trace(trace) if policy == "static" else None
+        rates[policy] = replay(trace, plan, policy, PolicyConfig(), profile).hit_ratio
+    return rates
+
+
+def budgets(args: argparse.Namespace, layers: list[LayerExperts]) -> list[int]:
+    if args.mib is not None:
+        return [args.mib * MiB]
+    if not layers:
+        return [0]
+    total = sum(x.expert_bytes * x.num_experts for x in layers)
+    smallest = smallest_useful_budget(layers)
+    fractions = [smallest] + [int(total * f) // MiB * MiB for f in (0.05, 0.1, 0.25, 0.5, 1.0)]
+    return sorted({b for b in fractions if b >= smallest})
+
+
+def run(args: argparse.Namespace) -> int:
+    gguf = GGUFFile(args.model)
+    layers = host_layers(gguf, args.n_cpu_moe)
+    results = []
+    for budget in budgets(args, layers):
+        plan = plan_cache(layers, budget)
+        result = describe(plan, layers, args.max_cached_batch)
+        if args.trace:
+            result["predicted_hit_ratio"] = predicted_hit_rates(args.trace, plan)
+        results.append(result)
+    host_bytes = sum(x.expert_bytes * x.num_experts for x in layers)
+    if args.json:
+        json.dump({"model": str(gguf.path), "host_expert_bytes": host_bytes, "plans": results}, sys.stdout,
+                  indent=2)
+        print()
+    else:
+        print_table(gguf, layers, host_bytes, results)
+    return 0
+
+
+def print_table(gguf: GGUFFile, layers: list[LayerExperts], host_bytes: int, results: list[dict]) -> None:
+    print(f"{gguf.path}: {len(layers)} MoE layers with experts in host RAM, {host_bytes / 2**30:.2f} GiB of "
+          f"routed experts; smallest useful cache {results[0]['smallest_useful_mib']} MiB")
+    for r in results:
+        print(f"\nbudget {r['budget_mib']} MiB -> cache {r['cache_bytes'] / MiB:.0f} MiB, "
+              f"{r['share']:.1%} of host experts")
+        print(f"  {'group':>5} {'layers':>10} {'slot MiB':>9} {'slots':>6} {'share':>7} {'max batch':>9}")
+        for g in r["groups"]:
+            span = f"{g['layers'][0]}-{g['layers'][-1]}" if g["layers"] else "-"
+            print(f"  {g['group_id']:>5} {span:>10} {g['slot_bytes'] / MiB:>9.2f} {g['num_slots']:>6} "
+                  f"{g['share']:>7.1%} {g['largest_cached_batch']:>9}")
+        for warning in r["warnings"]:
+            print(f"  warning: {warning}")
+        if "predicted_hit_ratio" in r:
+            print("  predicted hit ratio: " + ", ".join(f"{k} {v:.1%}" for k, v in r["predicted_hit_ratio"].items()))
+
