@@ -13,10 +13,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.detok import TextOutput
 from engine.embedded import embedded_model_path
 from engine.expert_cache.executor import ExpertCache, build_expert_cache
+from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
 from engine.kv_cache import KVCache
@@ -75,9 +76,8 @@ class LLMEngine:
         sched = replace(config.scheduler, max_model_len=max_len)
         self.kv = KVCache(hp.num_layers, sched.max_num_seqs, max_len, hp.num_kv_heads, hp.head_dim, dtype,
                           self.device)
-        self.cache: ExpertCache = build_expert_cache(self.weights, config.cache, self.device,
-                                                     reserved_bytes=self.kv.num_bytes,
-                                                     release=self.gguf.release_pages)
+        self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages)
+        self.cache: ExpertCache = build_expert_cache(self.store, config.cache, reserved_bytes=self.kv.num_bytes)
         self.model = Model(self.weights, self.cache)
         self.scheduler = Scheduler(sched)
         self.routing: RoutingSource | None = parse_routing(config.routing, len(self.weights.moe_layers),
@@ -219,6 +219,17 @@ class LLMEngine:
         seq = state.seq
         return RequestOutput(seq.request_id, tokens, state.text.finish(), lps, True, reason,
                              len(seq.request.prompt_ids), len(seq.output_ids))
+
+    def reconfigure_cache(self, cache: CacheConfig) -> list[str]:
+        """Replace the expert cache (placement, budget, policy, miss mode) while idle, keeping the loaded
+        weights and host experts; returns the old cache's summary lines."""
+        if self.has_unfinished():
+            raise RuntimeError("the cache can only be replaced while no request runs")
+        summary = self.cache.close()
+        self.config = replace(self.config, cache=cache)
+        self.cache = build_expert_cache(self.store, cache, reserved_bytes=self.kv.num_bytes)
+        self.model.experts = self.cache
+        return summary
 
     def stats(self) -> EngineStats:
         s = self.scheduler

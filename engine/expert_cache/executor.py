@@ -6,7 +6,6 @@ the routing to the policy and runs its promotions off the critical path."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -14,16 +13,16 @@ import numpy as np
 import torch
 
 from engine.config import CacheConfig
-from engine.expert_cache.device import CopyEngine, PendingCopy, SlotTable, bank_to, empty_bank, expert_parts
-from engine.expert_cache.host import pin_experts
+from engine.expert_cache.device import CopyEngine, PendingCopy, SlotTable, empty_bank, expert_parts
 from engine.expert_cache.placement import Placement, choose_placement
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
 from engine.expert_cache.policy import CachePolicy, PolicyConfig, Promotion, make_policy
 from engine.expert_cache.profile import Profile
-from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot, batch_class
+from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot
 from engine.expert_cache.split import MissSplit, measure_split
+from engine.expert_cache.store import ExpertStore
 from engine.moe import flatten_pairs
-from engine.weights import ModelWeights, expert_bytes
+from engine.weights import expert_bytes
 from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
 from ops.expert_ffn import expert_ffn
 
@@ -239,22 +238,19 @@ class _Joined:
         return _sum(cpu_part, self.device_part)
 
 
-def build_expert_cache(weights: ModelWeights, cfg: CacheConfig, device: torch.device, reserved_bytes: int = 0,
-                       release: Callable[[int, int], None] | None = None) -> ExpertCache:
-    hp = weights.hparams
-    banks = {i: weights.layers[i].ffn.experts for i in weights.moe_layers}
-    layer_bytes = {i: expert_bytes(b) * hp.num_experts for i, b in banks.items()}
+def build_expert_cache(store: ExpertStore, cfg: CacheConfig, reserved_bytes: int = 0) -> ExpertCache:
+    """Place the experts, plan the cache for the budget, and set up the executor over `store`."""
+    hp, device = store.hparams, store.device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    placement = choose_placement(layer_bytes, cfg, free, reserved_bytes)
-    layers = [LayerExperts(i, hp.num_experts, hp.top_k, expert_bytes(banks[i]), _type_key(banks[i]))
+    placement = choose_placement(store.layer_bytes(), cfg, free, reserved_bytes)
+    layers = [LayerExperts(i, hp.num_experts, hp.top_k, store.expert_bytes(i), _type_key(store.mapped[i]))
               for i in placement.host_layers]
     plan = plan_cache(layers, placement.budget_bytes)
     for warning in plan.warnings:
         log.warning(warning)
-    host = {i: banks[i] for i in placement.host_layers}
-    if device.type == "cuda" and host:
-        host = pin_experts(host, release or (lambda address, length: None))
-    resident = {i: bank_to(banks[i], device) for i in placement.resident_layers}
+    store.keep_resident(set(placement.resident_layers))
+    host = {i: store.host(i) for i in placement.host_layers}
+    resident = {i: store.resident(i) for i in placement.resident_layers}
     profile = Profile.load(cfg.profile_in) if cfg.profile_in else None
     return ExpertCache(host, resident, placement, plan, cfg, device, hp.num_layers, hp.num_experts, profile)
 

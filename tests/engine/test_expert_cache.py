@@ -17,6 +17,7 @@ from engine.expert_cache.device import CopyEngine, CopyHandle
 from engine.expert_cache.executor import ExpertCache, build_expert_cache
 from engine.expert_cache.plan import CacheBudgetError
 from engine.expert_cache.split import MissSplit
+from engine.expert_cache.store import ExpertStore
 from engine.expert_cache.profile import Profile
 from engine.gguf.reader import GGUFFile
 from engine.llm_engine import LLMEngine
@@ -36,7 +37,7 @@ def weights(small_moe_gguf: Path) -> ModelWeights:
 
 
 def make_cache(weights: ModelWeights, **cfg: object) -> ExpertCache:
-    return build_expert_cache(weights, CacheConfig(**{"cpu_moe": True, **cfg}), CPU)
+    return build_expert_cache(ExpertStore(weights, CPU), CacheConfig(**{"cpu_moe": True, **cfg}))
 
 
 def random_step(rng: np.random.Generator, num_tokens: int, num_experts: int, top_k: int,
@@ -274,3 +275,19 @@ def test_recorded_trace_replays_the_same_routing(small_moe_gguf: Path, tmp_path:
     replayed = run_one(small_moe_gguf, tmp_path / "second.npz", routing=f"trace:{tmp_path / 'first.npz'}")
     assert replayed == first
     assert np.array_equal(RoutingTrace.load(tmp_path / "second.npz").expert_ids, trace.expert_ids)
+
+
+def test_reconfigure_keeps_weights_and_swaps_the_cache(small_moe_gguf: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=ModelConfig(str(small_moe_gguf), device="cpu", max_context=64),
+                                    cache=CacheConfig(cpu_moe=True, budget_mib=0)))
+    host_before = engine.store.host(0)
+    for cfg in (CacheConfig(cpu_moe=True, budget_mib=2, policy="decay", miss_mode="stream"),
+                CacheConfig(n_cpu_moe=2, budget_mib=1, policy="lfru")):
+        engine.reconfigure_cache(cfg)
+        assert engine.cache.cfg == cfg and engine.model.experts is engine.cache
+        engine.add_request(Request("r", (1, 2, 3), SamplingParams(max_tokens=4, ignore_eos=True)))
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.cache.snapshot().hits() + engine.cache.snapshot().misses() > 0
+    assert engine.store.host(0) is host_before  # one host copy of the experts, shared by every cache
+    assert engine.cache.placement.resident_layers == (2, 3)
