@@ -231,6 +231,13 @@ class LLMEngine:
         self.model.experts = self.cache
         return summary
 
+    def set_routing(self, spec: str) -> None:
+        """Replace the routers' choice with a fresh source (`EngineConfig.routing`): the same spec replays
+        the same routing, so each configuration of a sweep sees identical streams."""
+        hp = self.weights.hparams
+        self.routing = parse_routing(spec, len(self.weights.moe_layers), hp.num_experts, hp.top_k)
+        self.config = replace(self.config, routing=spec)
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(s.num_running, s.num_waiting, s.kv_usage(), self.counters["steps"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -90,33 +91,35 @@ class _Random:
 
 
 def model_tensors(preset: Preset, seed: int) -> Iterator[TensorSpec]:
-    hp, arch, rnd = preset.hparams, get_arch(preset.hparams.arch), _Random(seed)
-    dense, experts = preset.dense_type, preset.expert_type
-    yield rnd.tensor(GLOBAL_TENSORS["embed"], (hp.vocab_size, hp.hidden), dense)
-    q_dim, kv_dim = hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
+    hp, rnd = preset.hparams, _Random(seed)
+    yield rnd.tensor(GLOBAL_TENSORS["embed"], (hp.vocab_size, hp.hidden), preset.dense_type)
     for i in range(hp.num_layers):
-        t = lambda role: layer_tensor(i, role)  # noqa: E731
-        yield rnd.tensor(t("attn_norm"), (hp.hidden,), dense, ones=True)
-        yield rnd.tensor(t("q"), (q_dim, hp.hidden), dense)
-        yield rnd.tensor(t("k"), (kv_dim, hp.hidden), dense)
-        yield rnd.tensor(t("v"), (kv_dim, hp.hidden), dense)
-        yield rnd.tensor(t("o"), (hp.hidden, q_dim), dense)
-        if arch.attn_bias:
-            for role, dim in (("q_bias", q_dim), ("k_bias", kv_dim), ("v_bias", kv_dim)):
-                yield rnd.tensor(t(role), (dim,), QType.F32)
-        if arch.qk_norm != "none":
-            full = arch.qk_norm == "full"
-            yield rnd.tensor(t("q_norm"), (q_dim if full else hp.head_dim,), dense, ones=True)
-            yield rnd.tensor(t("k_norm"), (kv_dim if full else hp.head_dim,), dense, ones=True)
-        yield rnd.tensor(t("ffn_norm"), (hp.hidden,), dense, ones=True)
+        yield from _attention_tensors(preset, rnd, i)
         yield from _ffn_tensors(preset, rnd, i)
-    yield rnd.tensor(GLOBAL_TENSORS["norm"], (hp.hidden,), dense, ones=True)
-    yield rnd.tensor(GLOBAL_TENSORS["output"], (hp.vocab_size, hp.hidden), dense)
+    yield rnd.tensor(GLOBAL_TENSORS["norm"], (hp.hidden,), preset.dense_type, ones=True)
+    yield rnd.tensor(GLOBAL_TENSORS["output"], (hp.vocab_size, hp.hidden), preset.dense_type)
+
+
+def _attention_tensors(preset: Preset, rnd: _Random, i: int) -> Iterator[TensorSpec]:
+    hp, arch, dense, t = preset.hparams, get_arch(preset.hparams.arch), preset.dense_type, partial(layer_tensor, i)
+    q_dim, kv_dim = hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
+    yield rnd.tensor(t("attn_norm"), (hp.hidden,), dense, ones=True)
+    yield rnd.tensor(t("q"), (q_dim, hp.hidden), dense)
+    yield rnd.tensor(t("k"), (kv_dim, hp.hidden), dense)
+    yield rnd.tensor(t("v"), (kv_dim, hp.hidden), dense)
+    yield rnd.tensor(t("o"), (hp.hidden, q_dim), dense)
+    if arch.attn_bias:
+        for role, dim in (("q_bias", q_dim), ("k_bias", kv_dim), ("v_bias", kv_dim)):
+            yield rnd.tensor(t(role), (dim,), QType.F32)
+    if arch.qk_norm != "none":
+        full = arch.qk_norm == "full"
+        yield rnd.tensor(t("q_norm"), (q_dim if full else hp.head_dim,), dense, ones=True)
+        yield rnd.tensor(t("k_norm"), (kv_dim if full else hp.head_dim,), dense, ones=True)
+    yield rnd.tensor(t("ffn_norm"), (hp.hidden,), dense, ones=True)
 
 
 def _ffn_tensors(preset: Preset, rnd: _Random, i: int) -> Iterator[TensorSpec]:
-    hp, t = preset.hparams, lambda role: layer_tensor(i, role)
-    dense = preset.dense_type
+    hp, dense, t = preset.hparams, preset.dense_type, partial(layer_tensor, i)
     if i in preset.dense_layers:
         yield rnd.tensor(t("gate"), (hp.dense_ff, hp.hidden), dense)
         yield rnd.tensor(t("up"), (hp.dense_ff, hp.hidden), dense)

@@ -13,18 +13,18 @@ import numpy as np
 import torch
 
 from engine.config import CacheConfig
+from engine.expert_cache.compute import make_compute
 from engine.expert_cache.device import CopyEngine, PendingCopy, SlotTable, empty_bank, expert_parts
 from engine.expert_cache.placement import Placement, choose_placement
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
 from engine.expert_cache.policy import CachePolicy, PolicyConfig, Promotion, make_policy
 from engine.expert_cache.profile import Profile
-from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot
 from engine.expert_cache.split import MissSplit, measure_split
+from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot
 from engine.expert_cache.store import ExpertStore
 from engine.moe import flatten_pairs
 from engine.weights import expert_bytes
 from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
-from ops.expert_ffn import expert_ffn
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +36,7 @@ class LayerRecord:
     layer: int
     expert_ids: torch.Tensor  # [pairs]
     slots: torch.Tensor  # [pairs], -1 for a miss
-
-
-class _Done:
-    """A finished result with the interface of a Future."""
-
-    def __init__(self, value: torch.Tensor | None) -> None:
-        self.value = value
-
-    def result(self) -> torch.Tensor | None:
-        return self.value
+    on_device: torch.Tensor  # [pairs], the expert id where the device computed the pair, else -1
 
 
 class ExpertCache:
@@ -59,6 +50,8 @@ class ExpertCache:
         self.pools = {g.group_id: empty_bank(host[g.layers[0]], g.num_slots, device)
                       for g in plan.groups if g.is_cached}
         self.table = SlotTable(num_layers, num_experts, device)
+        self.compute = make_compute(host, resident, self.pools, self.group_of, device)
+        self.expert_bytes = {layer: expert_bytes(bank) for layer, bank in host.items()}
         pc = PolicyConfig(promote_per_step=cfg.promote_per_step)
         self.policies: dict[int, CachePolicy] = {
             gid: make_policy(cfg.policy, self.groups[gid], pc, profile) for gid in self.pools}
@@ -72,7 +65,6 @@ class ExpertCache:
         self._routed: list[torch.Tensor] = []
         self._records: list[LayerRecord] = []
         self._step_tokens = 0
-        self._streamed = self._cpu_experts = 0
         self._pending: list[PendingCopy] = []
         self._in_flight: dict[tuple[int, int], tuple[int, int]] = {}  # (group, slot) -> (layer, expert)
         if profile is not None:
@@ -86,53 +78,32 @@ class ExpertCache:
         if self.recording:
             self._routed.append(expert_ids)
         if layer in self.resident:
-            return expert_ffn(x, tokens, experts, pair_weights, self.resident[layer]).to(x.dtype)
+            return self.compute.resident_ffn(layer, x, tokens, experts, pair_weights).to(x.dtype)
         self._step_tokens = x.shape[0]
-        pool = self.pools.get(self.group_of[layer])
-        slots = self.table.lookup(layer, experts) if pool is not None else torch.full_like(experts, -1)
-        self._records.append(LayerRecord(layer, experts, slots))
-        if x.shape[0] > self.cfg.max_cached_batch or self.cfg.miss_mode == "stream":
-            misses: _Joined | _Done = _Done(self._stage_misses(layer, x, tokens, experts, slots, pair_weights))
-        else:
-            misses = self._start_misses(layer, x, tokens, experts, slots, pair_weights)
-        # The device computes the hits while the CPU computes its misses.
-        hits = expert_ffn(x, tokens, slots, pair_weights, pool) if pool is not None else None
-        return _sum(hits, misses.result()).to(x.dtype)
+        slots = self.table.lookup(layer, experts) if self.group_of[layer] in self.pools else \
+            torch.full_like(experts, -1)
+        on_device, cpu = self._split(layer, x, tokens, experts, slots, pair_weights)
+        self._records.append(LayerRecord(layer, experts, slots, on_device))
+        # NOTE: exactly once: the device computes the pairs in `on_device`, the CPU the others, at once.
+        out = self.compute.ffn(layer, x, tokens, on_device, slots, pair_weights)
+        return _sum(out, cpu.result() if cpu is not None else None).to(x.dtype)
 
-    def _start_misses(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
-                      slots: torch.Tensor, weights: torch.Tensor) -> _Joined:
+    def _split(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+               slots: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, _CpuPart | None]:
+        """Which pairs the device computes (their expert id; -1 elsewhere), and the CPU's share."""
+        if x.shape[0] > self.cfg.max_cached_batch or self.cfg.miss_mode == "stream":
+            return experts, None  # the device reads every miss from host memory: no host sync
         # NOTE: cpu and hybrid modes read the routing on the host: one sync per layer.
         host = torch.stack([tokens, experts, slots]).cpu()
         miss = host[2] < 0
         to_stream = self.split.streamed(host[1][miss]) if self.cfg.miss_mode == "hybrid" else host[1][:0]
         on_cpu = miss & ~torch.isin(host[1], to_stream)
-        cpu = None
-        if bool(on_cpu.any()):
-            self._cpu_experts += int(host[1][on_cpu].unique().numel())
-            cpu = self.cpu.submit(expert_ffn_cpu, x.float().cpu(), host[0][on_cpu], host[1][on_cpu],
-                                  weights.cpu()[on_cpu], self.host[layer])
-        staged = self._stage_experts(layer, x, tokens, experts, weights, to_stream) if len(to_stream) else None
-        return _Joined(cpu, staged, x.device)
-
-    def _stage_misses(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
-                      slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-        missed = experts[slots < 0].unique().cpu()
-        return self._stage_experts(layer, x, tokens, experts, weights, missed) if missed.numel() else None
-
-    def _stage_experts(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
-                       weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """The device reads the chosen experts from host memory and computes their pairs."""
-        host = self.host[layer]
-        self._streamed += len(chosen) * expert_bytes(host)
-        row_of = torch.full((host.gate.shape[0],), -1, dtype=torch.int64)
-        if self.device.type == "cpu":  # host memory is the device's memory: read in place
-            bank, row_of[chosen] = host, chosen
-        else:
-            bank, row_of[chosen] = empty_bank(host, len(chosen), self.device), torch.arange(len(chosen))
-            for row, expert in enumerate(chosen.tolist()):
-                for dst, src in zip(expert_parts(bank, row), expert_parts(host, expert)):
-                    dst.copy_(src, non_blocking=True)
-        return expert_ffn(x, tokens, row_of.to(self.device)[experts], weights, bank)
+        on_device = torch.where(on_cpu.to(experts.device), -1, experts)
+        if not bool(on_cpu.any()):
+            return on_device, None
+        future = self.cpu.submit(expert_ffn_cpu, x.float().cpu(), host[0][on_cpu], host[1][on_cpu],
+                                 weights.cpu()[on_cpu], self.host[layer])
+        return on_device, _CpuPart(future, x.device)
 
     # -- between steps ----------------------------------------------------------------------------
     def end_step(self) -> None:
@@ -141,22 +112,29 @@ class ExpertCache:
             self._account(self._records, self._step_tokens)
         if self._routed:
             self.last_routing = torch.stack(self._routed).cpu().numpy()
-        self._records, self._routed, self._streamed, self._cpu_experts = [], [], 0, 0
+        self._records, self._routed = [], []
         self._publish_done()
 
     def _account(self, records: list[LayerRecord], num_tokens: int) -> None:
         # NOTE: one device -> host copy for the whole step, after it was computed.
-        host = torch.cat([torch.stack([r.expert_ids, r.slots]) for r in records], dim=1).cpu().numpy()
+        rows = torch.cat([torch.stack([r.expert_ids, r.slots, r.on_device]) for r in records], dim=1).cpu().numpy()
         layers = np.repeat([r.layer for r in records], [r.expert_ids.numel() for r in records])
-        hits: dict[int, int] = {}
-        misses: dict[int, int] = {}
+        valid = rows[0] >= 0  # padding rows of a captured batch route nowhere
+        (experts, slots, on_device), layers = rows[:, valid], layers[valid]
+        miss = slots < 0
+        hits, misses = {}, {}
         for gid in {self.group_of[r.layer] for r in records}:
             in_group = np.isin(layers, self.groups[gid].layers)
-            hits[gid] = int((host[1][in_group] >= 0).sum())
-            misses[gid] = int(in_group.sum()) - hits[gid]
-        self.stats.record_step(num_tokens, hits, misses, self._streamed, self._cpu_experts)
-        by_layer = {r.layer: host[0][layers == r.layer] for r in records}
-        self._observe(by_layer, num_tokens)
+            hits[gid], misses[gid] = int((in_group & ~miss).sum()), int((in_group & miss).sum())
+        streamed = self._unique_experts(layers, experts, miss & (on_device >= 0))
+        on_cpu = self._unique_experts(layers, experts, miss & (on_device < 0))
+        streamed_bytes = sum(self.expert_bytes[layer] for layer, _ in streamed)
+        self.stats.record_step(num_tokens, hits, misses, streamed_bytes, len(on_cpu))
+        self._observe({r.layer: experts[layers == r.layer] for r in records}, num_tokens)
+
+    @staticmethod
+    def _unique_experts(layers: np.ndarray, experts: np.ndarray, mask: np.ndarray) -> set[tuple[int, int]]:
+        return set(zip(layers[mask].tolist(), experts[mask].tolist()))
 
     def _observe(self, by_layer: dict[int, np.ndarray], num_tokens: int) -> None:
         if self.profile is not None:
@@ -172,8 +150,8 @@ class ExpertCache:
         if not promotions:
             return
         # NOTE: a slot is unpublished before its copy starts.
-        self.table.set([(*p.evicted, -1) for p in promotions if p.evicted] +
-                       [(p.layer, p.expert, -1) for p in promotions])
+        self._set_table([(*p.evicted, -1) for p in promotions if p.evicted] +
+                        [(p.layer, p.expert, -1) for p in promotions])
         pool, copies = self.pools[gid], []
         for p in promotions:
             copies += zip(expert_parts(pool, p.slot), expert_parts(self.host[p.layer], p.expert))
@@ -186,8 +164,9 @@ class ExpertCache:
     def _publish_done(self, wait: bool = False) -> None:
         # NOTE: a slot is published only after its copy completed, and only if no later promotion
         # reassigned it meanwhile.
-        ready, self._pending = [p for p in self._pending if wait or p.handle.done()], \
-            [p for p in self._pending if not (wait or p.handle.done())]
+        done = [wait or p.handle.done() for p in self._pending]
+        ready = [p for p, d in zip(self._pending, done) if d]
+        self._pending = [p for p, d in zip(self._pending, done) if not d]
         publish = []
         for pending in ready:
             pending.handle.wait()
@@ -195,7 +174,12 @@ class ExpertCache:
                 if self._in_flight.get((gid, slot)) == (layer, expert):
                     del self._in_flight[(gid, slot)]
                     publish.append((layer, expert, slot))
-        self.table.set(publish)
+        self._set_table(publish)
+
+    def _set_table(self, entries: list[tuple[int, int, int]]) -> None:
+        """(layer, expert, slot or -1). NOTE: called only between steps."""
+        self.table.set(entries)
+        self.compute.update(entries)
 
     # -- introspection ----------------------------------------------------------------------------
     def table_residents(self) -> dict[tuple[int, int], int]:
@@ -227,15 +211,14 @@ def _sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     return b if a is None else a if b is None else a + b
 
 
-class _Joined:
-    """CPU-computed misses (a Future of a host tensor) plus an optional device partial sum."""
+class _CpuPart:
+    """Misses computed by the CPU thread pool: a Future of a host tensor."""
 
-    def __init__(self, cpu: Future | None, device_part: torch.Tensor | None, device: torch.device) -> None:
-        self.cpu, self.device_part, self.device = cpu, device_part, device
+    def __init__(self, future: Future, device: torch.device) -> None:
+        self.future, self.device = future, device
 
-    def result(self) -> torch.Tensor | None:
-        cpu_part = None if self.cpu is None else self.cpu.result().to(self.device, non_blocking=True)
-        return _sum(cpu_part, self.device_part)
+    def result(self) -> torch.Tensor:
+        return self.future.result().to(self.device, non_blocking=True)
 
 
 def build_expert_cache(store: ExpertStore, cfg: CacheConfig, reserved_bytes: int = 0) -> ExpertCache:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine.config import EngineConfig, ModelConfig
 from engine.gguf.reader import GGUFError, GGUFFile
 from engine.gguf.writer import TensorSpec, tensor_from_float, write_gguf
 from engine.llm_engine import LLMEngine
-from engine.config import EngineConfig, ModelConfig
 from engine.weights import load_weights
 from ops.quants import QType
 
@@ -121,7 +121,9 @@ def test_model_errors_name_file_and_tensor(tmp_path: Path, tiny_gguf: Path) -> N
 
 def test_unsupported_tensor_type_is_named(tmp_path: Path, tiny_gguf: Path) -> None:
     src = GGUFFile(tiny_gguf)
-    iq = lambda: np.zeros((256, 66), np.uint8)  # noqa: E731  IQ2_XXS: 66 bytes per 256 weights
+    def iq() -> np.ndarray:  # IQ2_XXS: 66 bytes per 256 weights
+        return np.zeros((256, 66), np.uint8)
+
     specs = [TensorSpec(i.name, i.shape, QType.IQ2_XXS, iq) if i.name == "blk.0.attn_q.weight" else
              TensorSpec(i.name, i.shape, i.qtype, lambda i=i: i.raw()) for i in src]
     path = tmp_path / "iq.gguf"
