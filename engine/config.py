@@ -15,6 +15,7 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     max_context: int = 4096  # capped at the model's own context length
+    cuda_graphs: bool = True  # decode steps as CUDA graphs where no host sync is needed
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

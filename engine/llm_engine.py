@@ -21,8 +21,9 @@ from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
 from engine.kv_cache import KVCache
-from engine.model import ForwardBatch, Model, SeqSpan
+from engine.model import Model, SeqSpan
 from engine.routing import RoutingSource, TraceRecorder, parse_routing
+from engine.runner import ModelRunner
 from engine.sampler import SamplingState, make_generator, sample
 from engine.scheduler import Scheduler, Sequence
 from engine.types import Request, RequestError, RequestOutput, SchedulerOutput, StepOutput, TokenLogprob
@@ -74,7 +75,8 @@ class LLMEngine:
         hp = self.weights.hparams
         max_len = min(config.model.max_context, hp.context_length)
         sched = replace(config.scheduler, max_model_len=max_len)
-        self.kv = KVCache(hp.num_layers, sched.max_num_seqs, max_len, hp.num_kv_heads, hp.head_dim, dtype,
+        # one slot per sequence, plus a scratch slot for the padding rows of captured batches
+        self.kv = KVCache(hp.num_layers, sched.max_num_seqs + 1, max_len, hp.num_kv_heads, hp.head_dim, dtype,
                           self.device)
         self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages)
         self.cache: ExpertCache = build_expert_cache(self.store, config.cache, reserved_bytes=self.kv.num_bytes)
@@ -82,6 +84,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sched)
         self.routing: RoutingSource | None = parse_routing(config.routing, len(self.weights.moe_layers),
                                                            hp.num_experts, hp.top_k)
+        self.runner = ModelRunner(self.model, self.kv, self.cache, sched.max_num_seqs, config.model.cuda_graphs,
+                                  routed=self.routing is not None)
         self.requests: dict[str, RequestState] = {}
         self.trace_streams: dict[str, list[np.ndarray]] | None = {} if config.cache.record_trace else None
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
@@ -142,9 +146,7 @@ class LLMEngine:
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         start = time.perf_counter()
         spans = [SeqSpan(s.slot, s.start, len(s.token_ids)) for s in sched.seqs]
-        batch = ForwardBatch.build(spans, [list(s.token_ids) for s in sched.seqs], self.device)
-        routing = self._routing(sched)
-        logits = self.model.forward(batch, self.kv, routing)
+        logits = self.runner.forward(spans, [list(s.token_ids) for s in sched.seqs], self._routing(sched))
         rows = [i for i, s in enumerate(sched.seqs) if s.samples]
         states = [self.requests[sched.seqs[i].request_id].sampling for i in rows]
         tokens, logprobs = sample(logits[rows], states) if rows else ([], [])
@@ -228,7 +230,8 @@ class LLMEngine:
         summary = self.cache.close()
         self.config = replace(self.config, cache=cache)
         self.cache = build_expert_cache(self.store, cache, reserved_bytes=self.kv.num_bytes)
-        self.model.experts = self.cache
+        self.model.experts = self.runner.cache = self.cache
+        self.runner.graphs.clear()  # graphs captured the old cache's tables
         return summary
 
     def set_routing(self, spec: str) -> None:

@@ -31,14 +31,19 @@ class ForwardBatch:
     positions: torch.Tensor  # [tokens] int64
     slot_ids: torch.Tensor  # [tokens] int64, KV slot of each token
     spans: tuple[SeqSpan, ...]  # sequences in token order
+    logit_rows: torch.Tensor  # [seqs] row of each sequence's last token
+    kv_length: int  # decode attention reads this many positions of each slot (>= every position + 1)
+    token_mask: torch.Tensor | None = None  # [tokens] bool; False rows (padding) route to no expert
 
     @classmethod
     def build(cls, spans: list[SeqSpan], token_ids: list[list[int]], device: torch.device) -> ForwardBatch:
         ids = [t for seq in token_ids for t in seq]
         positions = [p for s in spans for p in range(s.start, s.end)]
         slots = [s.slot for s in spans for _ in range(s.num_tokens)]
+        rows = [sum(s.num_tokens for s in spans[:i + 1]) - 1 for i in range(len(spans))]
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(as_tensor(ids), as_tensor(positions), as_tensor(slots), tuple(spans))
+        return cls(as_tensor(ids), as_tensor(positions), as_tensor(slots), tuple(spans), as_tensor(rows),
+                   max(s.end for s in spans))
 
     @property
     def num_tokens(self) -> int:
@@ -47,12 +52,6 @@ class ForwardBatch:
     @cached_property
     def is_decode(self) -> bool:
         return all(s.num_tokens == 1 for s in self.spans)
-
-    @cached_property
-    def logit_rows(self) -> torch.Tensor:
-        """Row of each sequence's last token: `[num_seqs]`."""
-        ends = torch.tensor([s.num_tokens for s in self.spans]).cumsum(0) - 1
-        return ends.to(self.input_ids.device)
 
 
 class Rope:
@@ -107,7 +106,7 @@ class Model:
                 x = x + swiglu(h, layer.ffn)
                 continue
             routed = routing[moe_index] if routing is not None else None
-            x = x + moe_forward(i, h, layer.ffn, self.hp, self.experts, routed)
+            x = x + moe_forward(i, h, layer.ffn, self.hp, self.experts, routed, batch.token_mask)
             moe_index += 1
         x = rms_norm(x[batch.logit_rows], self.w.norm, self.hp.rms_eps)
         return F.linear(x, self.w.output).float()
@@ -130,7 +129,7 @@ class Model:
         return F.linear(out.reshape(n, -1), a.o)
 
     def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        length = max(s.end for s in batch.spans)
+        length = batch.kv_length
         keys, values = kv.gather(i, batch.slot_ids, length)  # [seqs, kv_heads, length, head_dim]
         mask = torch.arange(length, device=q.device)[None, :] <= batch.positions[:, None]
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],

@@ -25,13 +25,15 @@ class ExpertExecutor(Protocol):
 
 
 def moe_forward(layer: int, x: torch.Tensor, w: MoE, hp: HParams, experts: ExpertExecutor,
-                routed_ids: torch.Tensor | None = None) -> torch.Tensor:
+                routed_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     logits = F.linear(x, w.router)  # [tokens, experts]
     if routed_ids is None:
         expert_ids, weights = route(logits, hp)
     else:
         expert_ids = routed_ids.to(x.device, torch.int64)
         weights = weights_for(logits, expert_ids, hp)
+    if token_mask is not None:  # padding rows of a captured batch select no expert
+        expert_ids = torch.where(token_mask[:, None], expert_ids, -1)
     out = experts(layer, x, expert_ids, weights)
     if w.shared is not None:
         gate = torch.sigmoid(x @ w.shared_gate)[:, None]  # [tokens, 1]

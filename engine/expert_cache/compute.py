@@ -56,7 +56,8 @@ class BankCompute:
             for row, expert in enumerate(chosen.tolist()):
                 for dst, src in zip(expert_parts(bank, row), expert_parts(host, expert)):
                     dst.copy_(src, non_blocking=True)
-        return expert_ffn(x, tokens, row_of.to(self.device)[experts], weights, bank)
+        rows = row_of.to(self.device)[experts.clamp(min=0)]  # NOTE: -1 (not the device's pair) must not wrap
+        return expert_ffn(x, tokens, torch.where(experts >= 0, rows, -1), weights, bank)
 
     def update(self, entries: list[tuple[int, int, int]]) -> None:
         """Slots are looked up in the slot table; nothing else to change."""

@@ -107,5 +107,6 @@ class SlotTable:
             values.to(self.device_table.device)
 
     def lookup(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
-        """expert_ids `[...]` on the device -> slots `[...]` (-1 where not cached)."""
-        return self.device_table[layer][expert_ids]
+        """expert_ids `[...]` on the device -> slots `[...]` (-1 where not cached or the id is -1)."""
+        slots = self.device_table[layer][expert_ids.clamp(min=0)]
+        return torch.where(expert_ids >= 0, slots, -1)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from engine.config import CacheConfig
-from engine.expert_cache.compute import make_compute
+from engine.expert_cache.compute import TableCompute, make_compute
 from engine.expert_cache.device import CopyEngine, PendingCopy, SlotTable, empty_bank, expert_parts
 from engine.expert_cache.placement import Placement, choose_placement
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
@@ -104,6 +104,22 @@ class ExpertCache:
         future = self.cpu.submit(expert_ffn_cpu, x.float().cpu(), host[0][on_cpu], host[1][on_cpu],
                                  weights.cpu()[on_cpu], self.host[layer])
         return on_device, _CpuPart(future, x.device)
+
+    @property
+    def is_graph_safe(self) -> bool:
+        """A decode step makes no host sync (so it can be captured): pointer-table compute, and misses
+        read by the device rather than the CPU; not while recording a trace (recorded in Python)."""
+        host_sync = bool(self.host) and self.cfg.miss_mode != "stream"
+        return isinstance(self.compute, TableCompute) and not host_sync and not self.recording
+
+    def discard_step(self) -> list[LayerRecord]:
+        """Drop what the last forward recorded (a warm-up or capture run); returns its records."""
+        records, self._records, self._routed = self._records, [], []
+        return records
+
+    def restore_step(self, records: list[LayerRecord], num_tokens: int) -> None:
+        """A replayed graph ran `records` again (its static tensors hold this step's routing)."""
+        self._records, self._step_tokens = list(records), num_tokens
 
     # -- between steps ----------------------------------------------------------------------------
     def end_step(self) -> None:

@@ -1,0 +1,117 @@
+"""Runs a step's forward pass: eagerly, or, for decode batches on CUDA whose experts are computed without
+a host sync, by replaying a CUDA graph captured per padded batch size and KV-length bucket."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.expert_cache.executor import ExpertCache, LayerRecord
+from engine.kv_cache import KVCache
+from engine.model import ForwardBatch, Model, SeqSpan
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def length_buckets(max_len: int) -> list[int]:
+    """KV lengths graphs are captured for: 256, 1024, 4096, ... and the slot length."""
+    buckets, n = [], 256
+    while n < max_len:
+        buckets.append(n)
+        n *= 4
+    return [*buckets, max_len]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    batch: ForwardBatch  # static input buffers
+    routing: torch.Tensor | None  # static [moe_layers, batch, top_k] when the router is replaced
+    logits: torch.Tensor  # static output
+    records: list[LayerRecord]  # the cache's per-layer records, refreshed by every replay
+
+
+class ModelRunner:
+    def __init__(self, model: Model, kv: KVCache, cache: ExpertCache, max_num_seqs: int, use_graphs: bool,
+                 routed: bool = False) -> None:
+        self.model, self.kv, self.cache = model, kv, cache
+        self.scratch_slot = kv.num_slots - 1  # padding rows write their KV here
+        self.sizes = [b for b in BATCH_SIZES if b <= max_num_seqs]
+        self.buckets = length_buckets(kv.max_len)
+        self.use_graphs = use_graphs and model.device.type == "cuda"
+        self.routed = routed
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def can_replay(self, spans: list[SeqSpan]) -> bool:
+        return (self.use_graphs and self.cache.is_graph_safe and len(spans) <= self.sizes[-1]
+                and all(s.num_tokens == 1 for s in spans))
+
+    def forward(self, spans: list[SeqSpan], token_ids: list[list[int]], routing: torch.Tensor | None) -> torch.Tensor:
+        """Logits `[seqs, vocab]` of each sequence's last token."""
+        if self.can_replay(spans):
+            return self._replay(spans, token_ids, routing)
+        batch = ForwardBatch.build(spans, token_ids, self.model.device)
+        return self.model.forward(batch, self.kv, routing)
+
+    def capture_all(self, progress: Callable[[str, int, int], None] | None = None) -> None:
+        """Capture every (batch size, KV bucket) graph up front, so no request waits for a capture."""
+        if not (self.use_graphs and self.cache.is_graph_safe):
+            return
+        keys = [(b, n) for b in self.sizes for n in self.buckets]
+        for i, key in enumerate(keys):
+            self._graph(*key)
+            if progress:
+                progress("graphs", i + 1, len(keys))
+
+    def _replay(self, spans: list[SeqSpan], token_ids: list[list[int]], routing: torch.Tensor | None) -> torch.Tensor:
+        n = len(spans)
+        size = next(b for b in self.sizes if b >= n)
+        length = next(x for x in self.buckets if x >= max(s.end for s in spans))
+        g = self._graph(size, length)
+        pad = size - n
+        self._fill(g.batch.input_ids, [ids[0] for ids in token_ids] + [0] * pad)
+        self._fill(g.batch.positions, [s.start for s in spans] + [0] * pad)
+        self._fill(g.batch.slot_ids, [s.slot for s in spans] + [self.scratch_slot] * pad)
+        g.batch.token_mask.copy_(torch.arange(size) < n, non_blocking=True)
+        if g.routing is not None and routing is not None:
+            g.routing[:, :n].copy_(routing, non_blocking=True)
+        g.graph.replay()
+        self.cache.restore_step(g.records, n)
+        return g.logits[:n]
+
+    @staticmethod
+    def _fill(dst: torch.Tensor, values: list[int]) -> None:
+        dst.copy_(torch.tensor(values, dtype=dst.dtype), non_blocking=True)
+
+    def _graph(self, size: int, length: int) -> _Graph:
+        if (size, length) not in self.graphs:
+            self.graphs[(size, length)] = self._capture(size, length)
+        return self.graphs[(size, length)]
+
+    def _capture(self, size: int, length: int) -> _Graph:
+        device, hp = self.model.device, self.model.hp
+        zeros = torch.zeros(size, dtype=torch.int64, device=device)
+        batch = ForwardBatch(zeros.clone(), zeros.clone(), torch.full_like(zeros, self.scratch_slot),
+                             tuple(SeqSpan(self.scratch_slot, 0, 1) for _ in range(size)),
+                             torch.arange(size, device=device), length,
+                             torch.zeros(size, dtype=torch.bool, device=device))
+        routing = torch.zeros((len(self.model.w.moe_layers), size, hp.top_k), dtype=torch.int64,
+                              device=device) if self.routed else None
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up: compile kernels, create handles, outside the capture
+            for _ in range(2):
+                self.model.forward(batch, self.kv, routing)
+                self.cache.discard_step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.forward(batch, self.kv, routing)
+        records = self.cache.discard_step()
+        return _Graph(graph, batch, routing, logits, records)

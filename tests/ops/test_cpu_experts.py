@@ -1,0 +1,262 @@
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from ops import native, quants
+from ops.cpu_experts import (
+    ExpertWeights,
+    NativeExperts,
+    QType,
+    benchmark_cpu_experts,
+    expert_ffn_cpu,
+    expert_ffn_reference,
+    expert_ffn_torch,
+    load_native,
+    native_available,
+    random_expert_weights,
+    row_bytes,
+)
+
+# gate, up, down types; Q4_K gate/up + Q6_K down is the Q4_K_M layout, Q8_0 + Q4_K mixes two
+# activation formats in one layer
+FORMATS = [
+    (QType.Q4_K, QType.Q4_K, QType.Q4_K),
+    (QType.Q5_K, QType.Q5_K, QType.Q5_K),
+    (QType.Q6_K, QType.Q6_K, QType.Q6_K),
+    (QType.Q8_0, QType.Q8_0, QType.Q8_0),
+    (QType.Q4_K, QType.Q4_K, QType.Q6_K),
+    (QType.Q8_0, QType.Q4_K, QType.Q5_K),
+    (QType.F16, QType.BF16, QType.F32),
+]
+# build flags -> the SIMD path they must select on an x86 machine with AVX-512 VNNI
+VARIANTS = {(): None, ("-mno-avx512f",): "avx2", ("-DMOECACHE_SCALAR",): "scalar"}
+# int8 activation block of each format (None: float activations)
+ACT_BLOCK = {QType.Q4_K: 256, QType.Q5_K: 256, QType.Q6_K: 256, QType.Q8_0: 32}
+
+# Measured relative error (norm of the whole output) against the fp32 reference: 0.5-2.5% from
+# the int8 activations, most of it from quantizing h = silu(gate) * up for the down projection.
+# A wrong block decode gives errors of order 1.
+ACT_QUANT_RTOL = 5e-2
+# Against a reference that rounds the activations exactly as the kernel does, only fp32 summation
+# order remains (measured <= 5e-7 of the largest output), once each h element within ROUNDING_MARGIN
+# of a rounding boundary may round either way (its h is the float32 sum of another order). A wrong
+# scale, min or bit plane in any decoded block is orders of magnitude above.
+EMULATED_ATOL = 1e-5  # of max |output|
+ROUNDING_MARGIN = 2e-3  # in units of the int8 step
+FLOAT_RTOL = 1e-5
+
+HIDDEN, FF, NUM_EXPERTS = 512, 256, 6
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("moecache-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOECACHE_CACHE_DIR", str(path))
+        mp.delenv("CC", raising=False)
+        yield path
+
+
+def kernel(flags: tuple[str, ...]) -> NativeExperts:
+    lib = load_native(flags)
+    if lib is None:
+        pytest.skip(f"no C compiler for flags {flags}")
+    if VARIANTS[flags] is not None and lib.simd != VARIANTS[flags]:
+        pytest.skip(f"flags {flags} select {lib.simd} on this machine, not {VARIANTS[flags]}")
+    return lib
+
+
+def routing(seed: int, num_tokens: int = 5, num_pairs: int = 14) -> tuple[torch.Tensor, ...]:
+    """Random pairs with repeated experts; token 2 gets no pair."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.choice([t for t in range(num_tokens) if t != 2], num_pairs)
+    experts = rng.integers(0, NUM_EXPERTS, num_pairs)
+    weights = rng.uniform(0.05, 1.0, num_pairs).astype(np.float32)
+    x = rng.standard_normal((num_tokens, HIDDEN), dtype=np.float32)
+    return torch.from_numpy(x), torch.from_numpy(tokens), torch.from_numpy(experts), torch.from_numpy(weights)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def fake_quant(v: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, torch.Tensor]:
+    """v rounded the way the kernel quantizes activations for `qtype` weights (fp32, half to even),
+    and the int8 step of the elements within ROUNDING_MARGIN of a rounding boundary (0 elsewhere)."""
+    block = ACT_BLOCK.get(qtype)
+    if block is None:
+        return v, torch.zeros_like(v)
+    b = v.numpy().reshape(-1, block)
+    amax = np.abs(b).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    scaled = b * inv
+    step = np.broadcast_to(amax / np.float32(127), b.shape)
+    near_boundary = np.abs(scaled - np.floor(scaled) - 0.5) < ROUNDING_MARGIN
+    rounded = (np.clip(np.rint(scaled), -127, 127) * step).astype(np.float32)
+    slack = (step * near_boundary).astype(np.float32)
+    return torch.from_numpy(rounded.reshape(v.shape)), torch.from_numpy(slack.reshape(v.shape))
+
+
+def dense(raw: torch.Tensor, qtype: QType) -> torch.Tensor:
+    return torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), qtype), dtype=np.float32))
+
+
+def emulated_reference(
+    x: torch.Tensor,
+    token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w: ExpertWeights,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's result with its activation rounding in fp32, and per output element the most
+    that h elements on a rounding boundary can move it."""
+    out, slack = torch.zeros_like(x), torch.zeros_like(x)
+    experts = {
+        e: (dense(w.gate[e], w.gate_type), dense(w.up[e], w.up_type), dense(w.down[e], w.down_type))
+        for e in set(expert_ids.tolist())
+    }
+    for t, e, weight in zip(token_ids.tolist(), expert_ids.tolist(), weights.tolist(), strict=True):
+        gate, up, down = experts[e]
+        # x is rounded bit-identically (same fp32 operations): only h can land either side
+        h = F.silu(gate @ fake_quant(x[t], w.gate_type)[0]) * (up @ fake_quant(x[t], w.up_type)[0])
+        hq, h_slack = fake_quant(h, w.down_type)
+        out[t] += weight * (down @ hq)
+        slack[t] += abs(weight) * (down.abs() @ h_slack)
+    return out, slack
+
+
+def assert_matches_emulation(out: torch.Tensor, emulated: tuple[torch.Tensor, torch.Tensor]) -> None:
+    expected, slack = emulated
+    bound = slack + EMULATED_ATOL * float(expected.abs().max())
+    assert bool(((out - expected).abs() <= bound).all()), float(((out - expected).abs() - bound).max())
+
+
+@pytest.mark.parametrize("flags", list(VARIANTS), ids=["native", "avx2", "scalar"])
+@pytest.mark.parametrize("types", FORMATS, ids=lambda t: "-".join(q.name for q in t))
+def test_native_matches_reference(types: tuple[QType, QType, QType], flags: tuple[str, ...]) -> None:
+    lib = kernel(flags)
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=1)
+    x, token_ids, expert_ids, weights = routing(seed=2)
+    out = lib.ffn(x, token_ids, expert_ids, weights, w)
+    reference = expert_ffn_reference(x, token_ids, expert_ids, weights, w)
+    is_float = all(t not in ACT_BLOCK for t in types)
+    assert rel_err(out, reference) < (FLOAT_RTOL if is_float else ACT_QUANT_RTOL)
+    assert_matches_emulation(out, emulated_reference(x, token_ids, expert_ids, weights, w))
+    assert torch.count_nonzero(out[2]) == 0  # the token without pairs
+
+
+@settings(max_examples=10, deadline=None)
+@example(num_tokens=6, num_pairs=2, seed=31)  # a spike in h: one boundary flip moves the output 3e-3
+@given(num_tokens=st.integers(1, 12), num_pairs=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_any_routing_matches_emulated_reference(num_tokens: int, num_pairs: int, seed: int) -> None:
+    lib = kernel(())
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, QType.Q4_K, QType.Q6_K, seed=3)
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((num_tokens, HIDDEN), dtype=np.float32))
+    token_ids = torch.from_numpy(rng.integers(0, num_tokens, num_pairs))
+    expert_ids = torch.from_numpy(rng.integers(0, NUM_EXPERTS, num_pairs))
+    weights = torch.from_numpy(rng.uniform(0.0, 1.0, num_pairs).astype(np.float32))
+    out = lib.ffn(x, token_ids, expert_ids, weights, w)
+    assert out.shape == x.shape
+    assert_matches_emulation(out, emulated_reference(x, token_ids, expert_ids, weights, w))
+
+
+def test_thread_count_does_not_change_the_result() -> None:
+    lib = kernel(())
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, QType.Q4_K, QType.Q6_K, seed=4)
+    x, token_ids, expert_ids, weights = routing(seed=5, num_tokens=9, num_pairs=40)
+    one = lib.ffn(x, token_ids, expert_ids, weights, w, num_threads=1)
+    two = lib.ffn(x, token_ids, expert_ids, weights, w, num_threads=2)
+    assert torch.equal(one, two)
+
+
+def test_batch_equals_token_by_token() -> None:
+    """12 tokens on one expert cross a tile of 8: sharing weight rows must not mix tokens."""
+    lib = kernel(())
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q5_K, QType.Q5_K, QType.Q8_0, seed=6)
+    x = torch.randn(12, HIDDEN)
+    token_ids = torch.arange(12).repeat_interleave(2)
+    expert_ids = torch.stack([torch.full((12,), 3), torch.arange(12) % NUM_EXPERTS], dim=1).reshape(-1)
+    weights = torch.rand(24)
+    batch = lib.ffn(x, token_ids, expert_ids, weights, w)
+    for t in range(12):
+        pairs = token_ids == t
+        single = lib.ffn(x[t : t + 1], torch.zeros(2, dtype=torch.int64), expert_ids[pairs], weights[pairs], w)
+        assert torch.equal(batch[t], single[0])
+
+
+@pytest.mark.parametrize("types", FORMATS, ids=lambda t: "-".join(q.name for q in t))
+def test_torch_path_matches_reference(types: tuple[QType, QType, QType]) -> None:
+    missing = [t.name for t in types if t not in quants.supported_types()]
+    if missing:
+        pytest.skip(f"ops.quants cannot dequantize {missing}")
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=7)
+    x, token_ids, expert_ids, weights = routing(seed=8)
+    out = expert_ffn_torch(x, token_ids, expert_ids, weights, w)
+    assert rel_err(out, expert_ffn_reference(x, token_ids, expert_ids, weights, w)) < FLOAT_RTOL
+
+
+def test_without_compiler_torch_path_is_used_and_warned_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent")
+    monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path))
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q8_0, seed=9)
+    x, token_ids, expert_ids, weights = routing(seed=10)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        outs = [expert_ffn_cpu(x, token_ids, expert_ids, weights, w) for _ in range(2)]
+        assert not native_available()
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "/nonexistent" in caplog.records[0].getMessage()
+    assert list(tmp_path.glob("*.so")) == []
+    reference = expert_ffn_reference(x, token_ids, expert_ids, weights, w)
+    # fp32 accuracy: int8 activations of the native path would be ~1e-2 off
+    assert all(rel_err(out, reference) < FLOAT_RTOL for out in outs)
+
+
+def test_builds_once_per_source_and_flags(native_cache: Path) -> None:
+    kernel(())
+    default = native.build_key(native.CSRC / "cpu_experts.c", native.BASE_FLAGS, native.compiler())
+    scalar = native.build_key(
+        native.CSRC / "cpu_experts.c", (*native.BASE_FLAGS, "-DMOECACHE_SCALAR"), native.compiler()
+    )
+    assert default != scalar
+    assert (native_cache / f"cpu_experts-{default}.so").is_file()
+    assert load_native() is load_native()
+
+
+@pytest.mark.parametrize(("field", "bad", "message"), [("token_ids", 5, "token id"), ("expert_ids", 6, "expert id")])
+def test_out_of_range_ids_are_rejected(field: str, bad: int, message: str) -> None:
+    lib = kernel(())
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, seed=11)
+    x, token_ids, expert_ids, weights = routing(seed=12)
+    args = {"token_ids": token_ids.clone(), "expert_ids": expert_ids.clone()}
+    args[field][3] = bad
+    with pytest.raises(ValueError, match=message):
+        lib.ffn(x, args["token_ids"], args["expert_ids"], weights, w)
+
+
+def test_expert_weights_checks_row_bytes() -> None:
+    w = random_expert_weights(2, HIDDEN, FF, QType.Q4_K, seed=13)
+    assert w.gate.shape == (2, FF, row_bytes(QType.Q4_K, HIDDEN))
+    with pytest.raises(ValueError, match="down"):
+        ExpertWeights(w.gate, w.up, w.down, QType.Q4_K, QType.Q4_K, QType.Q6_K, HIDDEN, FF)
+
+
+def test_benchmark_reports_throughput() -> None:
+    kernel(())
+    r = benchmark_cpu_experts(hidden=256, ff=256, num_experts=8, top_k=2, num_tokens=3, repeats=3)
+    assert r["num_pairs"] == 6
+    assert str(r["path"]).startswith("native-")
+    assert float(r["seconds"]) > 0 and float(r["gbps"]) > 0 and float(r["gflops"]) > 0
