@@ -16,9 +16,9 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.expert_cache.device import CopyEngine, CopyHandle
 from engine.expert_cache.executor import ExpertCache, build_expert_cache
 from engine.expert_cache.plan import CacheBudgetError
+from engine.expert_cache.profile import Profile
 from engine.expert_cache.split import MissSplit
 from engine.expert_cache.store import ExpertStore
-from engine.expert_cache.profile import Profile
 from engine.gguf.reader import GGUFFile
 from engine.llm_engine import LLMEngine
 from engine.moe import ReferenceExperts
