@@ -84,8 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched)
         self.routing: RoutingSource | None = parse_routing(config.routing, len(self.weights.moe_layers),
                                                            hp.num_experts, hp.top_k)
-        self.runner = ModelRunner(self.model, self.kv, self.cache, sched.max_num_seqs, config.model.cuda_graphs,
-                                  routed=self.routing is not None)
+        self.runner = self._make_runner()
         self.requests: dict[str, RequestState] = {}
         self.trace_streams: dict[str, list[np.ndarray]] | None = {} if config.cache.record_trace else None
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
@@ -229,17 +228,26 @@ class LLMEngine:
             raise RuntimeError("the cache can only be replaced while no request runs")
         summary = self.cache.close()
         self.config = replace(self.config, cache=cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.runner.graphs.clear()  # graphs captured the old cache's tables and pools
         self.cache = build_expert_cache(self.store, cache, reserved_bytes=self.kv.num_bytes)
-        self.model.experts = self.runner.cache = self.cache
-        self.runner.graphs.clear()  # graphs captured the old cache's tables
+        self.model.experts = self.cache
+        self.runner = self._make_runner()  # a fresh graph memory pool for the new captures
         return summary
 
+    def _make_runner(self) -> ModelRunner:
+        return ModelRunner(self.model, self.kv, self.cache, self.scheduler.config.max_num_seqs,
+                           self.config.model.cuda_graphs, routed=self.routing is not None)
+
     def set_routing(self, spec: str) -> None:
-        """Replace the routers' choice with a fresh source (`EngineConfig.routing`): the same spec replays
-        the same routing, so each configuration of a sweep sees identical streams."""
+        """A fresh routing source of the same kind (`EngineConfig.routing`): the same spec replays the same
+        routing, so each configuration of a sweep sees identical streams."""
         hp = self.weights.hparams
-        self.routing = parse_routing(spec, len(self.weights.moe_layers), hp.num_experts, hp.top_k)
-        self.config = replace(self.config, routing=spec)
+        routing = parse_routing(spec, len(self.weights.moe_layers), hp.num_experts, hp.top_k)
+        if (routing is None) != (self.routing is None):  # captured graphs take a routing input or not
+            raise ValueError(f"routing {spec!r}: an engine built with {self.config.routing!r} keeps that kind")
+        self.routing, self.config = routing, replace(self.config, routing=spec)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

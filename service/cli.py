@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from service.commands import generate, plan, serve, synth
+# Idle OpenMP threads sleep instead of spinning: torch's ops and the native expert kernel share one
+# OpenMP runtime, and spinning threads starve the thread that has work (10x slower decode measured on a
+# 2-core machine). Must be set before torch loads libgomp; the user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from service.commands import bench, generate, plan, serve, synth
 from service.options import apply_env_defaults
 
-COMMANDS = (generate, synth, plan, serve)
+COMMANDS = (generate, synth, plan, serve, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,8 +3,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moecache` sets it (service/cli.py), before torch loads
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MOECACHE_SHARED_DATA", ROOT.parent / "shared" / "data"))
