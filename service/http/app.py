@@ -1,0 +1,42 @@
+"""The aiohttp application: middlewares (errors, auth, readiness) and the route table."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from service.http import completions, info
+from service.http.auth import PUBLIC_PATHS, auth_middleware
+from service.http.errors import ApiError, error_middleware
+from service.http.state import STATE, AppState, app_state
+
+
+@web.middleware
+async def readiness_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """503 for the API while the model loads, after the engine failed, and while draining."""
+    if request.path not in PUBLIC_PATHS:
+        status, why = info.engine_status(app_state(request))
+        if status != "ok":
+            raise ApiError(503, why, code=status)
+    return await handler(request)
+
+
+def build_app(state: AppState) -> web.Application:
+    middlewares: list[Middleware] = [error_middleware]
+    if state.api_key:
+        middlewares.append(auth_middleware(state.api_key))
+    middlewares.append(readiness_middleware)
+    app = web.Application(middlewares=middlewares, client_max_size=state.limits.max_body_bytes)
+    app[STATE] = state
+    app.add_routes([
+        web.post("/v1/completions", completions.completions),
+        web.post("/v1/chat/completions", completions.chat_completions),
+        web.get("/v1/models", info.list_models),
+        web.get("/v1/models/{model}", info.get_model),
+        web.post("/tokenize", info.tokenize),
+        web.post("/detokenize", info.detokenize),
+        web.get("/health", info.health),
+        web.get("/version", info.version),
+        web.get("/metrics", info.metrics),
+    ])
+    return app

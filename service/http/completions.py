@@ -1,0 +1,108 @@
+"""`POST /v1/completions` and `POST /v1/chat/completions`: parse, take a turn, open the engine stream,
+then answer with one JSON object or with server-sent events. Leaving the `open` block for any reason
+(a client that went away cancels the handler) aborts what has not finished."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+
+from aiohttp import web
+
+from engine.async_engine import EngineUnavailableError, RequestStream
+from engine.types import RequestOutput
+from service.http.errors import ApiError, read_json
+from service.http.params import Body, Generation, check_model, parse_chat, parse_completion
+from service.http.responses import ChatFormat, Choice, CompletionFormat, Envelope, Format, JsonObject, usage
+from service.http.sse import EventStream
+from service.http.state import AppState, app_state
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.perf_counter()
+    state, body = app_state(request), Body(await read_json(request))
+    check_model(body, state.model_name)
+    job = await asyncio.to_thread(parse_completion, body, state.tokenizer, state.limits)
+    return await respond(request, state, job, CompletionFormat(state.tokenizer, job.params.logprobs is not None),
+                         arrival)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.perf_counter()
+    state, body = app_state(request), Body(await read_json(request))
+    check_model(body, state.model_name)
+    job = await asyncio.to_thread(parse_chat, body, state.tokenizer, state.limits, state.engine.max_model_len)
+    return await respond(request, state, job, ChatFormat(state.tokenizer, job.params.logprobs is not None),
+                         arrival)
+
+
+async def respond(request: web.Request, state: AppState, job: Generation, fmt: Format,
+                  arrival: float) -> web.StreamResponse:
+    env = Envelope(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), state.model_name, state.fingerprint)
+    async with state.admission.turn(), state.engine.open(job.requests(env.id, arrival)) as stream:
+        if job.stream:
+            return await stream_response(request, stream, job, fmt, env)
+        return web.json_response(await collect(stream, job, fmt, env))
+
+
+def choice_index(request_id: str) -> int:
+    return int(request_id.rsplit("-", 1)[1])
+
+
+def job_usage(job: Generation, choices: list[Choice]) -> JsonObject:
+    # Each prompt counts once, however many choices sample it (as OpenAI counts n > 1).
+    return usage(sum(len(p) for p in job.prompts), sum(c.num_generated_tokens for c in choices))
+
+
+async def collect(stream: RequestStream, job: Generation, fmt: Format, env: Envelope) -> JsonObject:
+    choices = [Choice(i) for i in range(job.num_choices)]
+    try:
+        async for out in stream:
+            choices[choice_index(out.request_id)].add(out)
+    except EngineUnavailableError as error:
+        raise ApiError(500, f"generation failed: {error}", code="engine_error") from None
+    return env.wrap(fmt.object, choices=[fmt.choice(c) for c in choices], usage=job_usage(job, choices))
+
+
+async def stream_response(request: web.Request, stream: RequestStream, job: Generation, fmt: Format,
+                          env: Envelope) -> web.StreamResponse:
+    events = EventStream()
+    extra = {"usage": None} if job.include_usage else {}
+
+    def chunk(delta: JsonObject) -> JsonObject:
+        return env.wrap(fmt.chunk_object, choices=[delta], **extra)
+
+    try:
+        await events.start(request)
+        await send_choices(events, stream, job, fmt, chunk, env)
+        await events.done()
+    except ConnectionResetError:
+        pass  # the client went away; leaving `open` aborts its requests
+    return events.response
+
+
+async def send_choices(events: EventStream, stream: RequestStream, job: Generation, fmt: Format,
+                       chunk: Callable[[JsonObject], JsonObject], env: Envelope) -> None:
+    choices = [Choice(i) for i in range(job.num_choices)]
+    for c in choices:
+        if (first := fmt.first_delta(c.index)) is not None:
+            await events.send(chunk(first))
+    try:
+        async for out in stream:
+            await send_output(events, choices[choice_index(out.request_id)], out, fmt, chunk)
+    except EngineUnavailableError as error:
+        await events.send(ApiError(500, f"generation failed: {error}", code="engine_error").body())
+        return
+    if job.include_usage:
+        await events.send(env.wrap(fmt.chunk_object, choices=[], usage=job_usage(job, choices)))
+
+
+async def send_output(events: EventStream, choice: Choice, out: RequestOutput, fmt: Format,
+                      chunk: Callable[[JsonObject], JsonObject]) -> None:
+    choice.add(out)
+    if out.new_text or out.logprobs:
+        await events.send(chunk(fmt.delta(choice.index, out.new_text, out.logprobs)))
+    if out.finished:
+        await events.send(chunk(fmt.finish(choice.index, out.finish_reason or "abort")))
