@@ -28,6 +28,8 @@ from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
 
 log = logging.getLogger(__name__)
 
+USAGE_DECAY = 0.95  # per step: the usage heatmap shows roughly the last 20 steps
+
 
 @dataclass(frozen=True)
 class LayerRecord:
@@ -37,6 +39,7 @@ class LayerRecord:
     expert_ids: torch.Tensor  # [pairs]
     slots: torch.Tensor  # [pairs], -1 for a miss
     on_device: torch.Tensor  # [pairs], the expert id where the device computed the pair, else -1
+    resident: bool = False  # a layer resident on the device: counted in usage only
 
 
 class ExpertCache:
@@ -60,6 +63,7 @@ class ExpertCache:
         self.split: MissSplit = measure_split(cfg.miss_mode, device, next(iter(host.values()), None))
         self.stats = CacheStats(plan.cache_bytes, plan.num_slots)
         self.profile = Profile() if cfg.profile_out else None
+        self.usage = np.zeros((num_layers, num_experts), dtype=np.float32)  # recent picks, decayed per step
         self.recording = cfg.record_trace is not None
         self.last_routing: np.ndarray | None = None  # [moe_layers, tokens, top_k] of the last step, if recording
         self._routed: list[torch.Tensor] = []
@@ -77,9 +81,10 @@ class ExpertCache:
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
         if self.recording:
             self._routed.append(expert_ids)
-        if layer in self.resident:
-            return self.compute.resident_ffn(layer, x, tokens, experts, pair_weights).to(x.dtype)
         self._step_tokens = x.shape[0]
+        if layer in self.resident:
+            self._records.append(LayerRecord(layer, experts, experts, experts, resident=True))
+            return self.compute.resident_ffn(layer, x, tokens, experts, pair_weights).to(x.dtype)
         slots = self.table.lookup(layer, experts) if self.group_of[layer] in self.pools else \
             torch.full_like(experts, -1)
         on_device, cpu = self._split(layer, x, tokens, experts, slots, pair_weights)
@@ -136,6 +141,11 @@ class ExpertCache:
         rows = torch.cat([torch.stack([r.expert_ids, r.slots, r.on_device]) for r in records], dim=1).cpu().numpy()
         layers = np.repeat([r.layer for r in records], [r.expert_ids.numel() for r in records])
         valid = rows[0] >= 0  # padding rows of a captured batch route nowhere
+        self._count_usage(layers[valid], rows[0][valid])
+        records = [r for r in records if not r.resident]
+        valid &= ~np.isin(layers, list(self.resident))
+        if not records:
+            return
         (experts, slots, on_device), layers = rows[:, valid], layers[valid]
         miss = slots < 0
         hits, misses = {}, {}
@@ -147,6 +157,10 @@ class ExpertCache:
         streamed_bytes = sum(self.expert_bytes[layer] for layer, _ in streamed)
         self.stats.record_step(num_tokens, hits, misses, streamed_bytes, len(on_cpu))
         self._observe({r.layer: experts[layers == r.layer] for r in records}, num_tokens)
+
+    def _count_usage(self, layers: np.ndarray, experts: np.ndarray) -> None:
+        self.usage *= USAGE_DECAY
+        np.add.at(self.usage, (layers, experts), 1.0)
 
     @staticmethod
     def _unique_experts(layers: np.ndarray, experts: np.ndarray, mask: np.ndarray) -> set[tuple[int, int]]:
@@ -202,6 +216,15 @@ class ExpertCache:
         """Published (layer, expert) -> slot, as the next step will see them."""
         return {(layer, expert): int(self.table.host[layer, expert])
                 for layer, expert in (self.table.host >= 0).nonzero().tolist()}
+
+    def usage_snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        """Recent use `[layers, experts]` (picks, decayed x0.95 per step) and where each expert is now:
+        2 resident on the device, 1 cached in a slot, 0 in host RAM only (-1: a dense layer)."""
+        where = np.full(self.usage.shape, -1, dtype=np.int8)
+        where[list(self.host)] = 0
+        where[list(self.resident)] = 2
+        where[self.table.host.numpy() >= 0] = 1
+        return self.usage.copy(), where
 
     def snapshot(self) -> CacheStatsSnapshot:
         return self.stats.snapshot()

@@ -291,3 +291,19 @@ def test_reconfigure_keeps_weights_and_swaps_the_cache(small_moe_gguf: Path) -> 
         assert engine.cache.snapshot().hits() + engine.cache.snapshot().misses() > 0
     assert engine.store.host(0) is host_before  # one host copy of the experts, shared by every cache
     assert engine.cache.placement.resident_layers == (2, 3)
+
+
+def test_usage_snapshot_marks_cached_resident_and_recent_experts(weights: ModelWeights) -> None:
+    cache = make_cache(weights, cpu_moe=False, n_cpu_moe=2, budget_mib=2)
+    x, ids, w = random_step(np.random.default_rng(5), 3, 16, 4, np.arange(16))
+    for layer in weights.moe_layers:
+        cache(layer, x, ids, w)
+    cache.end_step()
+    cache._publish_done(wait=True)
+    usage, where = cache.usage_snapshot()
+    assert usage.shape == (4, 16) and (where[:2] <= 1).all() and (where[2:] == 2).all()
+    picked = np.zeros(16)
+    np.add.at(picked, ids.flatten().numpy(), 1)
+    assert np.allclose(usage, np.tile(picked, (4, 1)))  # every layer, resident ones included
+    assert {(layer, expert) for layer, expert in zip(*np.nonzero(where == 1))} == set(cache.table_residents())
+    cache.close()
