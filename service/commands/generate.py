@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import sys
 import time
 import uuid
@@ -41,7 +42,9 @@ def prompt_ids(engine: LLMEngine, args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = LLMEngine(engine_config(args), progress=ProgressBar())
+    config = engine_config(args)  # one prompt: one KV slot
+    config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=1))
+    engine = LLMEngine(config, progress=ProgressBar())
     print(engine.cache.describe(), file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
