@@ -73,6 +73,7 @@ def fitting_type(qtype: QType, num_cols: int) -> QType:
 class _Random:
     seed: int
     scale: float = 0.02
+    device: str = "cpu"  # where random blocks are drawn (a GPU draws a 17 GB model in seconds)
     counter: list[int] = field(default_factory=lambda: [0])
 
     def tensor(self, name: str, shape: tuple[int, ...], qtype: QType, ones: bool = False) -> TensorSpec:
@@ -86,12 +87,12 @@ class _Random:
             return torch.ones(shape, dtype=torch.float32).view(torch.uint8)
         fmt = format_of(qtype)
         num_blocks = int(torch.tensor(shape).prod()) // fmt.block_size
-        gen = torch.Generator().manual_seed(seed)
-        return random_blocks(qtype, num_blocks, gen, self.scale).reshape(*shape[:-1], -1)
+        gen = torch.Generator(self.device).manual_seed(seed)
+        return random_blocks(qtype, num_blocks, gen, self.scale).reshape(*shape[:-1], -1).cpu()
 
 
-def model_tensors(preset: Preset, seed: int) -> Iterator[TensorSpec]:
-    hp, rnd = preset.hparams, _Random(seed)
+def model_tensors(preset: Preset, seed: int, device: str = "cpu") -> Iterator[TensorSpec]:
+    hp, rnd = preset.hparams, _Random(seed, device=device)
     yield rnd.tensor(GLOBAL_TENSORS["embed"], (hp.vocab_size, hp.hidden), preset.dense_type)
     for i in range(hp.num_layers):
         yield from _attention_tensors(preset, rnd, i)
@@ -149,15 +150,16 @@ def padded_vocab(vocab: dict[str, Any], size: int) -> dict[str, Any]:
 
 def write_synth(path: str | Path, preset: Preset, vocab: dict[str, Any], seed: int = 0,
                 split_max_bytes: int = 0, progress: Callable[[int, int], None] | None = None,
-                sparse: bool = False) -> list[Path]:
+                sparse: bool = False, device: str = "cpu") -> list[Path]:
     """Write a random-weight model. A preset with vocab_size 0 takes the tokenizer's size. `sparse`:
-    shapes only, the data a hole of zeros (for `moecache plan`)."""
+    shapes only, the data a hole of zeros (for `moecache plan`). The same seed gives the same bytes on
+    the same kind of device."""
     size = preset.hparams.vocab_size or len(vocab["tokenizer.ggml.tokens"])
     preset = replace(preset, hparams=replace(preset.hparams, vocab_size=size))
     arch = get_arch(preset.hparams.arch)
     metadata = {**arch.metadata(preset.hparams), "general.name": f"moecache synth {preset.name}",
                 **padded_vocab(vocab, size)}
-    return write_gguf(path, arch.name, metadata, model_tensors(preset, seed), split_max_bytes=split_max_bytes,
+    return write_gguf(path, arch.name, metadata, model_tensors(preset, seed, device), split_max_bytes=split_max_bytes,
                       progress=progress, sparse=sparse)
 
 

@@ -23,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="quant type of the routed experts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split-mib", type=int, default=0, help="split into files of at most this size")
+    p.add_argument("--device", default="cpu", help="draw the random blocks here (cuda: much faster)")
     p.add_argument("--sparse", action="store_true", help="shapes only: tensor data left as a hole of zeros "
                    "(enough for `moecache plan`, not for generation)")
     p.set_defaults(run=run)
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     bar = ProgressBar()
     paths = write_synth(args.output, preset, build_embedded_vocab(), seed=args.seed,
                         split_max_bytes=args.split_mib << 20, progress=lambda d, t: bar("writing", d, t),
-                        sparse=args.sparse)
+                        sparse=args.sparse, device=args.device)
     for path in paths:
         print(path)
     return 0
