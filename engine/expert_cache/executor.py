@@ -54,13 +54,15 @@ class ExpertCache:
                       for g in plan.groups if g.is_cached}
         self.table = SlotTable(num_layers, num_experts, device)
         self.compute = make_compute(host, resident, self.pools, self.group_of, device)
+        self.split: MissSplit = measure_split(cfg.miss_mode, device, next(iter(host.values()), None),
+                                              zero_copy=isinstance(self.compute, TableCompute))
         self.expert_bytes = {layer: expert_bytes(bank) for layer, bank in host.items()}
         pc = PolicyConfig(promote_per_step=cfg.promote_per_step)
         self.policies: dict[int, CachePolicy] = {
             gid: make_policy(cfg.policy, self.groups[gid], pc, profile) for gid in self.pools}
         self.copies = CopyEngine(device)
         self.cpu = ThreadPoolExecutor(1, thread_name_prefix="moecache-cpu-experts")
-        self.split: MissSplit = measure_split(cfg.miss_mode, device, next(iter(host.values()), None))
+
         self.stats = CacheStats(plan.cache_bytes, plan.num_slots)
         self.profile = Profile() if cfg.profile_out else None
         self.usage = np.zeros((num_layers, num_experts), dtype=np.float32)  # recent picks, decayed per step

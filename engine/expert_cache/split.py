@@ -58,8 +58,27 @@ def measure_cpu_gbps(bank: ExpertWeights, num_experts: int = 8) -> float:
     return len(experts) * per_expert / seconds / 1e9
 
 
-def measure_split(mode: str, device: torch.device, bank: ExpertWeights | None) -> MissSplit:
+def measure_stream_gbps(bank: ExpertWeights, device: torch.device, num_experts: int = 8) -> float:
+    """The device's own speed on missed experts: the grouped kernel reading pinned host memory in place
+    (slower than a plain copy: measure what hybrid mode will actually run)."""
+    from ops.triton import expert_ffn_triton
+
+    experts = torch.arange(min(num_experts, bank.gate.shape[0]), device=device)
+    x = torch.randn(1, bank.hidden, device=device, dtype=torch.bfloat16)
+    tokens, weights = torch.zeros_like(experts), torch.full((len(experts),), 1.0, device=device)
+
+    def run() -> None:
+        expert_ffn_triton(x, tokens, experts, weights, bank)
+        torch.cuda.synchronize(device)
+
+    per_expert = sum(t[0].numel() for t in (bank.gate, bank.up, bank.down))
+    return len(experts) * per_expert / _seconds(run) / 1e9
+
+
+def measure_split(mode: str, device: torch.device, bank: ExpertWeights | None, zero_copy: bool = False) -> MissSplit:
+    """`zero_copy`: the device reads misses in place through pointer tables (else it stages copies)."""
     if mode != "hybrid" or bank is None:
         return MissSplit(1.0 if mode == "stream" else 0.0)
-    link, cpu = measure_link_gbps(device), measure_cpu_gbps(bank)
+    link = measure_stream_gbps(bank, device) if zero_copy else measure_link_gbps(device)
+    cpu = measure_cpu_gbps(bank)
     return MissSplit(link / (link + cpu), link, cpu)

@@ -73,13 +73,17 @@ def run_configuration(engine: LLMEngine, point: SweepPoint, settings: RunSetting
 
 
 def run_sweep(engine: LLMEngine, points: Sequence[SweepPoint], settings: RunSettings, routing: str,
-              ceilings: Ceilings,
-              progress: Callable[[str], None] | None = None) -> list[ConfigResult | Skipped]:
+              ceilings: Ceilings, progress: Callable[[str], None] | None = None,
+              on_result: Callable[[list[ConfigResult | Skipped]], None] | None = None) -> list[ConfigResult | Skipped]:
+    """Every point in turn; `on_result` sees the results so far after each (a long sweep cut short keeps
+    what it measured)."""
     results: list[ConfigResult | Skipped] = []
     for n, point in enumerate(points, 1):
         results.append(run_configuration(engine, point, settings, routing, ceilings))
         if progress is not None:
             progress(f"[{n}/{len(points)}] {summary(results[-1])}")
+        if on_result is not None:
+            on_result(results)
     return results
 
 

@@ -86,15 +86,18 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(base_config(args, settings, points[0]), progress=ProgressBar())
     try:
         ceilings = measure_ceilings(engine.device, _expert_shape(engine), args.cpu_threads)
+
+        def report_of(results: list) -> BenchReport:
+            return BenchReport(str(engine.gguf.path), args.routing, describe_machine(engine.device), ceilings,
+                               settings, tuple(results))
+
         results = run_sweep(engine, points, settings, args.routing, ceilings,
-                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+                            progress=lambda line: print(line, file=sys.stderr, flush=True),
+                            on_result=(lambda rs: write_json(report_of(rs), args.json)) if args.json else None)
     finally:
         engine.close()
-    report = BenchReport(str(engine.gguf.path), args.routing, describe_machine(engine.device), ceilings,
-                         settings, tuple(results))
+    report = report_of(results)
     print(format_table(report))
-    if args.json:
-        write_json(report, args.json)
     if args.plot:
         from service.bench.plot import write_plot  # matplotlib only when a plot is asked for
 
