@@ -12,10 +12,11 @@ import sys
 # 2-core machine). Must be set before torch loads libgomp; the user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from service.commands import bench, generate, plan, serve, synth
-from service.options import apply_env_defaults
+import importlib  # noqa: E402
 
-COMMANDS = (generate, synth, plan, serve, bench)
+from service.options import apply_env_defaults  # noqa: E402
+
+COMMANDS = ("generate", "synth", "plan", "serve", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +24,21 @@ def build_parser() -> argparse.ArgumentParser:
                                      "expert cache: experts in host RAM, the hot ones on the GPU.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
+    for name in COMMANDS:
+        try:  # a command whose optional dependencies are missing stays out; the others still run
+            command = importlib.import_module(f"service.commands.{name}")
+        except ImportError as exc:
+            sub.add_parser(name, help=f"unavailable: {exc}").set_defaults(run=_unavailable(name, exc))
+            continue
         apply_env_defaults(command.register(sub))
     return parser
+
+
+def _unavailable(name: str, exc: ImportError):  # noqa: ANN202
+    def run(args: argparse.Namespace) -> int:
+        print(f"moecache: `{name}` needs a package that is not installed: {exc}", file=sys.stderr)
+        return 2
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

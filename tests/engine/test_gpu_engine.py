@@ -63,7 +63,7 @@ def test_every_mode_equals_the_reference_while_the_cache_fills(weights: ModelWei
     for size in (1, 4, 8, 1, 2, 40, 1):
         for layer in weights.moe_layers:
             x, ids, w = random_step(rng, size, 16, 4)
-            assert rel_error(cache(layer, x, ids, w), ref(layer, x, ids, w)) < 2e-2
+            assert rel_error(cache(layer, x, ids, w), ref(layer, x, ids, w)) < 4e-2  # CPU misses: int8 activations
         cache.end_step()
     snap = cache.snapshot()
     assert snap.hits() > 0 and snap.promotions > 0
@@ -93,14 +93,15 @@ def test_copies_run_on_their_stream_and_publish_after_their_event(weights: Model
     rng = np.random.default_rng(2)
     for layer in weights.moe_layers:
         cache(layer, *random_step(rng, 8, 16, 4))
+    publish = cache._publish_done
+    cache._publish_done = lambda wait=False: None  # keep the copies pending to look at them
     cache.end_step()
     pending = list(cache._pending)
     assert pending and all(p.handle.event is not None for p in pending)
     published = cache.table_residents()
-    for p in pending:
-        if not p.handle.done():  # NOTE: not published while its copy runs
-            assert not any((layer, expert) in published for _, layer, expert, _ in p.entries)
-    cache._publish_done(wait=True)
+    for p in pending:  # NOTE: nothing is published before its event completed
+        assert not any((layer, expert) in published for _, layer, expert, _ in p.entries)
+    publish(wait=True)
     for (layer, expert), slot in cache.table_residents().items():
         pool, host = cache.pools[cache.group_of[layer]], cache.host[layer]
         assert torch.equal(pool.gate[slot].cpu(), host.gate[expert]) and torch.equal(pool.down[slot].cpu(),
