@@ -18,6 +18,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.config import EngineConfig
 from engine.expert_cache.stats import CacheStatsSnapshot
 from engine.gguf.tokenizer import Tokenizer
@@ -44,6 +46,10 @@ class EngineSnapshot:
 
     stats: EngineStats = field(default_factory=lambda: EngineStats(0, 0, 0.0, 0, 0, 0, 0.0))
     cache: CacheStatsSnapshot | None = None
+    # [num_layers, num_experts]: recent picks (float32, decayed per step) and where each expert is (int8:
+    # 2 resident, 1 cached, 0 host RAM only, -1 dense layer); left out of ==, which numpy makes ambiguous
+    usage: np.ndarray | None = field(default=None, compare=False)
+    where: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -454,7 +460,8 @@ class AsyncEngine:
         return True
 
     def _publish_stats(self, llm: LLMEngine) -> None:
-        self._snapshot = EngineSnapshot(llm.stats(), llm.cache.snapshot())
+        usage, where = llm.cache.usage_snapshot()  # copies: the next step may change the cache's own arrays
+        self._snapshot = EngineSnapshot(llm.stats(), llm.cache.snapshot(), usage, where)
 
     def _close(self, llm: LLMEngine) -> None:
         try:

@@ -2,12 +2,13 @@
 
 Counters and gauges that mirror the engine's own totals are read from its latest snapshot at scrape
 time by a custom collector, so they can neither double count nor drift. Request latencies are
-histograms observed as each request finishes. Every server has its own registry (tests run several
-servers in one process).
+histograms observed as each request finishes. Jobs by state are counted in the job store at scrape
+time too. Every server has its own registry (tests run several servers in one process).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -17,6 +18,8 @@ from prometheus_client.registry import Collector
 from engine.async_engine import EngineSnapshot, RequestMetrics
 from engine.expert_cache.stats import CacheStatsSnapshot
 
+log = logging.getLogger(__name__)
+
 FINISH_REASONS = ("stop", "length", "abort")
 EMPTY_CACHE = CacheStatsSnapshot((), 0, 0, 0, 0, 0, 0, 0, 0.0)
 
@@ -24,6 +27,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+JOB_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
 
 
 class EngineCollector(Collector):
@@ -80,6 +84,25 @@ class EngineCollector(Collector):
         yield _counter("moecache_expert_cache_evictions", "Experts evicted from the cache.", s, cache.evictions)
 
 
+class JobsCollector(Collector):
+    """Jobs by state, counted in the (possibly shared) job store at scrape time."""
+
+    def __init__(self, model: str, counts: Callable[[], dict[str, int]]) -> None:
+        self.model = model
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            counts = self.counts()
+        except Exception:  # an unreachable store must not fail the whole scrape
+            log.exception("counting jobs for /metrics failed")
+            return
+        family = GaugeMetricFamily("moecache_jobs", "Jobs in the job store by state.", labels=["model", "state"])
+        for state, count in counts.items():
+            family.add_metric([self.model, state], count)
+        yield family
+
+
 def _counter(name: str, doc: str, model: str, value: float) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=["model"])
     family.add_metric([model], value)
@@ -106,10 +129,13 @@ class Metrics:
                                    E2E_BUCKETS)
         self.queue = self._histogram("moecache_request_queue_time_seconds", "Arrival to the first step that "
                                      "computes the request.", QUEUE_BUCKETS)
+        self.job_latency = self._histogram("moecache_job_latency_seconds", "Job submit to finish, for the jobs "
+                                           "this server finished.", JOB_BUCKETS)
         self.success = Counter("moecache_request_success", "Finished requests by finish reason.",
                                ["model", "finished_reason"], registry=self.registry)
         for reason in FINISH_REASONS:
             self.success.labels(model, reason)
+        self.job_latency.labels(model)  # exported (empty) before the first job finishes
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(name, doc, ["model"], buckets=buckets, registry=self.registry)
@@ -117,6 +143,13 @@ class Metrics:
     def watch(self, snapshot: Callable[[], EngineSnapshot], num_queued: Callable[[], int]) -> None:
         """Export the engine's counters and gauges from `snapshot()` at every scrape."""
         self.registry.register(EngineCollector(self.model, snapshot, num_queued))
+
+    def watch_jobs(self, counts: Callable[[], dict[str, int]]) -> None:
+        """Export `counts()` (jobs by state) at every scrape."""
+        self.registry.register(JobsCollector(self.model, counts))
+
+    def observe_job(self, seconds: float) -> None:
+        self.job_latency.labels(self.model).observe(max(0.0, seconds))
 
     def observe(self, m: RequestMetrics) -> None:
         """Record one finished request."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from engine.config import MISS_MODES, POLICIES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -36,16 +38,42 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--routing", default="model", help=argparse.SUPPRESS)
 
 
+def env_name(dest: str) -> str:
+    return f"MOECACHE_{dest.upper()}"
+
+
 def apply_env_defaults(p: argparse.ArgumentParser) -> None:
-    """`MOECACHE_<DEST>` sets the default of option `--<dest>`."""
+    """`MOECACHE_<DEST>` sets the default of option `--<dest>`; an empty value keeps the built-in default.
+
+    The value is converted and checked against the choices only when this command's arguments are
+    parsed, so a bad one is a usage error of that command naming the variable, not a crash of every
+    command."""
     for action in p._actions:
-        value = os.environ.get(f"MOECACHE_{action.dest.upper()}")
-        if value is None or action.dest == "help":
+        name = env_name(action.dest)
+        value = os.environ.get(name, "")
+        if not value or action.dest == "help":
             continue
         if isinstance(action, argparse._StoreTrueAction):
             action.default = value.lower() in ("1", "true", "yes", "on")
         else:
-            action.default = action.type(value) if action.type else value
+            # NOTE: argparse passes a string default through `type` at parse time.
+            action.type = _checked(action.type if callable(action.type) else None, action.choices, name)
+            action.default = value
+
+
+def _checked(convert: Callable[[str], Any] | None, choices: Iterable[Any] | None,
+             name: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text) if convert else text
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r} (from the flag or {name})") from None
+        if choices is not None and value not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} (from the flag or {name}) is not one of "
+                                             f"{', '.join(map(str, choices))}")
+        return value
+
+    return parse
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -8,6 +8,7 @@ timeout, aborts the rest (streams still get their last chunk and `[DONE]`), then
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -20,7 +21,9 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine, Progress
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from service.grpc_api.server import GrpcServer
 from service.http import Admission, AppState, Limits, build_app
+from service.jobs.runtime import JobOptions, Jobs
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,8 @@ class ServeOptions:
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     shutdown_timeout: float = 30.0
+    grpc_port: int | None = None  # None: no gRPC server; 0: any free port (see Server.grpc.port)
+    jobs: JobOptions | None = None  # None: no job, file and batch API and no job worker
 
     def __post_init__(self) -> None:
         if self.shutdown_timeout < 0:
@@ -70,6 +75,9 @@ class Server:
         self.metrics.watch(self.engine.stats, lambda: self.admission.num_queued)
         self.state = AppState(self.engine, self.metrics, self.admission, limits, name, package_version(),
                               options.api_key, int(time.time()))
+        self.jobs = Jobs(options.jobs, self.state) if options.jobs is not None else None
+        self.state = dataclasses.replace(self.state, jobs=self.jobs)
+        self.grpc = GrpcServer(self.state, options.host, options.grpc_port) if options.grpc_port is not None else None
         self.runner = web.AppRunner(build_app(self.state), handler_cancellation=True, access_log=None,
                                     shutdown_timeout=HANDLER_GRACE_S)
         self._site: web.TCPSite | None = None
@@ -86,18 +94,31 @@ class Server:
         self._site = web.TCPSite(self.runner, self.options.host, self.options.port)
         await self._site.start()
         log.info("listening on http://%s:%d (loading the model)", self.options.host, self.port)
+        if self.grpc is not None:
+            await self.grpc.start()
+        if self.jobs is not None:
+            await self.jobs.open()  # before loading: a wrong --jobs-db fails fast
         await self.engine.start()
         log.info("%s", self.engine.description)
+        if self.jobs is not None:
+            self.jobs.start()
         log.info("ready: model %s, context %d tokens, %d concurrent requests", self.state.model_name,
                  self.engine.max_model_len, self.options.limits.max_concurrent_requests)
 
     async def stop(self) -> None:
-        """Drain: stop admitting, finish or abort what runs, close the HTTP side, close the engine."""
+        """Drain: stop admitting, finish or abort what runs, close the HTTP side, close the engine.
+        Jobs aborted by the drain keep their persisted output and resume on the next claim."""
+        if self.jobs is not None:
+            self.jobs.stop_claiming()
         aborted = await self.engine.drain(self.options.shutdown_timeout)
         if aborted:
             log.info("aborted %d requests still running after %.0f s", aborted, self.options.shutdown_timeout)
         await self.admission.wait_idle(HANDLER_GRACE_S)
         await self.runner.cleanup()
+        if self.grpc is not None:
+            await self.grpc.stop(HANDLER_GRACE_S)
+        if self.jobs is not None:
+            await self.jobs.stop(HANDLER_GRACE_S)  # the job runs ended with the drain; then the store closes
         await self.engine.shutdown()
         log.info("stopped")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from service.http import completions, info
-from service.http.auth import PUBLIC_PATHS, auth_middleware
+from service.http import batches, cache_view, completions, info, jobs, page
+from service.http.auth import auth_middleware, is_public
 from service.http.errors import ApiError, error_middleware
 from service.http.state import STATE, AppState, app_state
 
@@ -14,7 +14,7 @@ from service.http.state import STATE, AppState, app_state
 @web.middleware
 async def readiness_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """503 for the API while the model loads, after the engine failed, and while draining."""
-    if request.path not in PUBLIC_PATHS:
+    if not is_public(request.path):
         status, why = info.engine_status(app_state(request))
         if status != "ok":
             raise ApiError(503, why, code=status)
@@ -38,5 +38,10 @@ def build_app(state: AppState) -> web.Application:
         web.get("/health", info.health),
         web.get("/version", info.version),
         web.get("/metrics", info.metrics),
+        web.get("/v1/cache/state", cache_view.get_cache_state),
+        web.get("/v1/cache/events", cache_view.cache_events),
+        *page.routes(),
     ])
+    if state.jobs is not None:
+        app.add_routes([*jobs.routes(), *batches.routes()])
     return app

@@ -1,4 +1,5 @@
-"""Bearer-token authentication; the probe and scrape endpoints stay public."""
+"""Bearer-token authentication; the probe and scrape endpoints, the web page and the cache view stay
+public (none of them carries prompts or outputs)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from aiohttp.typedefs import Handler, Middleware
 
 from service.http.errors import ApiError
 
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/", "/v1/cache/state", "/v1/cache/events"})
+PUBLIC_PREFIXES = ("/web/",)  # the page's static files
+
+
+def is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
 
 
 def auth_middleware(api_key: str) -> Middleware:
@@ -17,7 +23,7 @@ def auth_middleware(api_key: str) -> Middleware:
 
     @web.middleware
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in PUBLIC_PATHS:
+        if not is_public(request.path):
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             # NOTE: constant time, so the key cannot be guessed byte by byte from response times.
             if not hmac.compare_digest(given, expected):

@@ -85,5 +85,6 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body, content_type = app_state(request).metrics.render()
+    # in a thread: collecting counts jobs in the job store, which may be a database over the network
+    body, content_type = await asyncio.to_thread(app_state(request).metrics.render)
     return web.Response(body=body, headers={"Content-Type": content_type})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -10,6 +11,9 @@ from engine.async_engine import AsyncEngine
 from engine.gguf.tokenizer import Tokenizer
 from service.http.limits import Admission, Limits
 from service.metrics import Metrics
+
+if TYPE_CHECKING:  # the jobs package builds on this module
+    from service.jobs.runtime import Jobs
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class AppState:
     version: str
     api_key: str | None = None
     created: int = 0  # unix time the server started (the model object's `created`)
+    jobs: Jobs | None = None  # None: no job, file or batch API
 
     @property
     def fingerprint(self) -> str:

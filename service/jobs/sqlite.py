@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +13,7 @@ from service.jobs.db import Database, Dialect, Row, Tx
 from service.jobs.sql import SqlJobStore
 
 BUSY_TIMEOUT_S = 30.0
+WAL_RETRY_S = 0.01
 
 SQLITE = Dialect(
     param="?",
@@ -35,7 +37,7 @@ class SqliteDatabase(Database):
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         self._conn.row_factory = _dict_row
-        self._conn.execute("PRAGMA journal_mode = WAL")
+        _enable_wal(self._conn)
         # FULL: a commit is on disk before it returns, so even a power loss keeps it
         self._conn.execute("PRAGMA synchronous = FULL")
 
@@ -65,6 +67,20 @@ class SqliteJobStore(SqlJobStore):
     def __init__(self, path: str) -> None:
         """`path` is a file path or ":memory:"."""
         super().__init__(SqliteDatabase(path))
+
+
+def _enable_wal(conn: sqlite3.Connection) -> None:
+    # NOTE: switching a new file to WAL takes its exclusive lock, and SQLite answers "database is locked"
+    # at once, without the busy timeout, while another connection does the same: retry until the timeout.
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(WAL_RETRY_S)
 
 
 def _dict_row(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> Row:

@@ -109,8 +109,8 @@ def test_every_pair_goes_down_exactly_one_path(weights: ModelWeights) -> None:
     cache._publish_done(wait=True)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     real = cache.cpu.submit
-    cache.cpu.submit = lambda fn, x, tokens, experts, *a: (seen.append((tokens, experts)),  # type: ignore
-                                                            real(fn, x, tokens, experts, *a))[1]
+    cache.cpu.submit = lambda fn, x, tokens, experts, *a, **kw: (seen.append((tokens, experts)),  # type: ignore
+                                                                  real(fn, x, tokens, experts, *a, **kw))[1]
     x, ids, w = random_step(rng, 8, 16, 4, hot)
     slots = cache.table.host[weights.moe_layers[0]][ids]
     cache(weights.moe_layers[0], x, ids, w)

@@ -1,0 +1,89 @@
+"""Down projection of grouped expert pairs, scaled by the routing weight: y `[pairs, hidden]`."""
+
+from __future__ import annotations
+
+import torch
+import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
+import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vector
+from ops.triton.gate_up import warps_for
+from ops.triton.pairs import chunk_of, group_of, pair_is_valid, slots, window_for
+from ops.triton.qdot import GROUP, MAGIC, has_kernel, rows_dot
+from ops.triton.tables import ExpertTables
+
+
+@triton.jit
+def _store_y(y, y_stride, position, has, weights, rows, rmask, acc):
+    weight = tl.load(weights + position, mask=has, other=0.0).to(tl.float32)
+    tl.store(y + position.to(tl.int64) * y_stride + rows, weight * acc, mask=tl.where(has, rmask, False))
+
+
+@triton.jit
+def _down_kernel(
+    h, h_stride, hs, hs_stride, expert_ids, weights, num_pairs,
+    gate_ptrs, up_ptrs, down_ptrs, num_experts, down_row_bytes,
+    y, y_stride, hidden, magic,
+    DOWN_FMT: tl.constexpr, FF: tl.constexpr,
+    BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr,
+):
+    # program (pair position, block of BR rows of hidden); only the first pair of each expert works
+    pid = tl.program_id(0)
+    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    rmask = rows < hidden
+    safe_rows = tl.minimum(rows, hidden - 1)  # loads stay inside the expert; stores are masked
+    expert = tl.load(expert_ids + pid)
+    is_valid = pair_is_valid(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
+    positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
+    down_addr = tl.load(down_ptrs + tl.where(is_valid, expert, 0))
+    # a skipped pair's row is 0, so that every row of y is written and the per-token sum needs no
+    # table lookups
+    skipped = y + pid.to(tl.int64) * y_stride + rows
+    tl.store(skipped, tl.zeros([BR], tl.float32), mask=tl.where(is_valid, False, rmask))
+    for start in range(0, count, BT):
+        position, has = chunk_of(positions, is_member, rank, start, BT)
+        p0, p1, p2, p3 = slots(position.to(tl.int64), BT)  # empty slots: position 0, a valid row
+        h0, h1, h2, h3 = slots(has.to(tl.int32), BT)
+        a0, a1, a2, a3, _, _, _, _ = rows_dot(
+            down_addr, down_addr, safe_rows, down_row_bytes,
+            h + p0 * h_stride, h + p1 * h_stride, h + p2 * h_stride, h + p3 * h_stride,
+            hs + p0 * hs_stride, hs + p1 * hs_stride, hs + p2 * hs_stride, hs + p3 * hs_stride,
+            magic, DOWN_FMT, FF, BT, False)
+        _store_y(y, y_stride, p0, h0 > 0, weights, rows, rmask, a0)
+        if BT > 1:
+            _store_y(y, y_stride, p1, h1 > 0, weights, rows, rmask, a1)
+        if BT > 2:
+            _store_y(y, y_stride, p2, h2 > 0, weights, rows, rmask, a2)
+            _store_y(y, y_stride, p3, h3 > 0, weights, rows, rmask, a3)
+
+
+def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                tables: ExpertTables, y: torch.Tensor, block_tokens: int = 1, block_rows: int = 32,
+                num_warps: int | None = None) -> None:
+    """y[p] = weights[p] * down_e(h[p]) for each computed pair p, 0 for a skipped pair. h float32
+    `[pairs, ff]` prepared for the down format (`prepare.launch_prepare`), h_sums `[pairs, ff // 16]`
+    its natural sums; expert_ids, weights `[pairs]`; y float32 `[pairs, hidden]`."""
+    if not has_kernel(tables.down_type):
+        raise ValueError(f"no down kernel for {tables.down_type.name}")
+    num_pairs, device = expert_ids.shape[0], tables.device
+    check_rows("h", h, (num_pairs, tables.ff), (torch.float32,), device)
+    if h.stride(0) % 4 or h.data_ptr() % 16:
+        raise ValueError("h: rows must be 16-byte aligned")
+    check_rows("h_sums", h_sums, (num_pairs, tables.ff // GROUP), (torch.float32,), device)
+    check_vector("expert_ids", expert_ids, num_pairs, INDEX_DTYPES, device)
+    check_vector("weights", weights, num_pairs, FLOAT_DTYPES, device)
+    check_rows("y", y, (num_pairs, tables.hidden), (torch.float32,), device)
+    if block_tokens not in (1, 2, 4) or block_rows < 1 or triton.next_power_of_2(block_rows) != block_rows:
+        raise ValueError(f"need block_tokens in 1, 2, 4 and block_rows a power of two, "
+                         f"got {block_tokens}, {block_rows}")
+    if num_pairs == 0:
+        return
+    grid = (num_pairs, triton.cdiv(tables.hidden, block_rows))
+    _down_kernel[grid](
+        h, h.stride(0), h_sums, h_sums.stride(0), expert_ids, weights, num_pairs,
+        tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts, tables.down_row_bytes,
+        y, y.stride(0), tables.hidden, MAGIC,
+        DOWN_FMT=int(tables.down_type), FF=tables.ff,
+        BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs),
+        num_warps=num_warps or warps_for(block_rows),
+    )

@@ -1,0 +1,127 @@
+"""Gate and up projections of grouped expert pairs with SiLU(gate) * up fused: h `[pairs, ff]`."""
+
+from __future__ import annotations
+
+import torch
+import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
+import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+from ops.triton.checks import INDEX_DTYPES, check_rows, check_vector
+from ops.triton.pairs import chunk_of, group_of, pair_is_valid, slots, window_for
+from ops.triton.qdot import GROUP, MAGIC, has_kernel, read_place, rows_dot
+from ops.triton.tables import ExpertTables
+
+
+@triton.jit
+def _store_h(h, h_stride, hs, hs_stride, position, has, rows, rmask, ff, gate, up, DOWN_FMT: tl.constexpr,
+             BR: tl.constexpr, GROUP: tl.constexpr):
+    """h of one pair, prepared for the down kernel (its order and scale), and its sums per GROUP rows."""
+    value = gate * tl.sigmoid(gate) * up
+    place, factor = read_place(rows, DOWN_FMT)
+    tl.store(h + position.to(tl.int64) * h_stride + place, value * factor, mask=tl.where(has, rmask, False))
+    group = tl.program_id(1) * (BR // GROUP) + tl.arange(0, BR // GROUP)
+    total = tl.sum(tl.reshape(value, [BR // GROUP, GROUP]), axis=1)
+    in_rows = group < ff // GROUP
+    tl.store(hs + position.to(tl.int64) * hs_stride + group, total, mask=tl.where(has, in_rows, False))
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_gate, x_up, x_stride, x_sums, sums_stride, num_tokens, token_ids, expert_ids, num_pairs,
+    gate_ptrs, up_ptrs, down_ptrs, num_experts, gate_row_bytes, up_row_bytes,
+    h, h_stride, hs, hs_stride, ff, magic,
+    GATE_FMT: tl.constexpr, UP_FMT: tl.constexpr, DOWN_FMT: tl.constexpr, HIDDEN: tl.constexpr,
+    BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, GROUP: tl.constexpr,
+):
+    # program (pair position, block of BR rows of ff); only the first pair of each expert works
+    pid = tl.program_id(0)
+    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    rmask = rows < ff
+    safe_rows = tl.minimum(rows, ff - 1)  # loads stay inside the expert; stores are masked
+    expert = tl.load(expert_ids + pid)
+    is_valid = pair_is_valid(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
+    positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
+    safe = tl.where(is_valid, expert, 0)
+    gate_addr = tl.load(gate_ptrs + safe)
+    up_addr = tl.load(up_ptrs + safe)
+    for start in range(0, count, BT):
+        position, has = chunk_of(positions, is_member, rank, start, BT)
+        token = tl.load(token_ids + position, mask=has, other=0)
+        has = has & (token >= 0) & (token < num_tokens)
+        p0, p1, p2, p3 = slots(position, BT)
+        h0, h1, h2, h3 = slots(has.to(tl.int32), BT)
+        t0, t1, t2, t3 = slots(tl.where(has, token, 0).to(tl.int64), BT)  # empty slots read row 0
+        s0, s1, s2, s3 = x_sums + t0 * sums_stride, x_sums + t1 * sums_stride, x_sums + t2 * sums_stride, \
+            x_sums + t3 * sums_stride
+        if GATE_FMT == UP_FMT:
+            g0, g1, g2, g3, u0, u1, u2, u3 = rows_dot(
+                gate_addr, up_addr, safe_rows, gate_row_bytes,
+                x_gate + t0 * x_stride, x_gate + t1 * x_stride, x_gate + t2 * x_stride, x_gate + t3 * x_stride,
+                s0, s1, s2, s3, magic, GATE_FMT, HIDDEN, BT, True)
+        else:
+            g0, g1, g2, g3, _, _, _, _ = rows_dot(
+                gate_addr, gate_addr, safe_rows, gate_row_bytes,
+                x_gate + t0 * x_stride, x_gate + t1 * x_stride, x_gate + t2 * x_stride, x_gate + t3 * x_stride,
+                s0, s1, s2, s3, magic, GATE_FMT, HIDDEN, BT, False)
+            u0, u1, u2, u3, _, _, _, _ = rows_dot(
+                up_addr, up_addr, safe_rows, up_row_bytes,
+                x_up + t0 * x_stride, x_up + t1 * x_stride, x_up + t2 * x_stride, x_up + t3 * x_stride,
+                s0, s1, s2, s3, magic, UP_FMT, HIDDEN, BT, False)
+        _store_h(h, h_stride, hs, hs_stride, p0, h0 > 0, rows, rmask, ff, g0, u0, DOWN_FMT, BR, GROUP)
+        if BT > 1:
+            _store_h(h, h_stride, hs, hs_stride, p1, h1 > 0, rows, rmask, ff, g1, u1, DOWN_FMT, BR, GROUP)
+        if BT > 2:
+            _store_h(h, h_stride, hs, hs_stride, p2, h2 > 0, rows, rmask, ff, g2, u2, DOWN_FMT, BR, GROUP)
+            _store_h(h, h_stride, hs, hs_stride, p3, h3 > 0, rows, rmask, ff, g3, u3, DOWN_FMT, BR, GROUP)
+
+
+def default_block_tokens(num_tokens: int) -> int:
+    """Pairs of one expert computed per pass over its weights: enough to share a read, few enough
+    that empty slots (most experts have 1-3 tokens of a step) waste little arithmetic. Measured on
+    the H200 (docs/kernels.md): 1 is best at 8 tokens, 2 at 32, 4 is worse at both."""
+    return 1 if num_tokens <= 8 else 2
+
+
+def warps_for(block_rows: int) -> int:
+    # the Q4_K/Q5_K tile puts 8 rows on a warp, one a thread; more warps would split a row's chunk
+    return max(1, min(4, block_rows // 8))
+
+
+def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tensor, token_ids: torch.Tensor,
+                   expert_ids: torch.Tensor, tables: ExpertTables, h: torch.Tensor, h_sums: torch.Tensor,
+                   block_tokens: int | None = None, block_rows: int = 16, num_warps: int | None = None) -> None:
+    """h[p] = silu(gate_e(x[t])) * up_e(x[t]) for each computed pair p = (t, e), prepared for the down
+    kernel (`prepare.launch_prepare`'s order and scale for the down format), and h_sums[p] its natural
+    sums per 16 rows (`qdot.GROUP`); rows of other pairs are left as they were. x_gate, x_up `[tokens, hidden]`:
+    x prepared for the gate and up formats; x_sums `[tokens, hidden // 16]`; token_ids, expert_ids
+    `[pairs]`; h float32 `[pairs, ff]`, h_sums `[pairs, ff // 16]`. block_tokens: 1, 2 or 4."""
+    if not (has_kernel(tables.gate_type) and has_kernel(tables.up_type)):
+        raise ValueError(f"no gate/up kernel for {tables.gate_type.name}/{tables.up_type.name}")
+    num_pairs, num_tokens, device = expert_ids.shape[0], x_gate.shape[0], tables.device
+    for name, t in (("x_gate", x_gate), ("x_up", x_up)):
+        check_rows(name, t, (num_tokens, tables.hidden), (torch.float32,), device)
+        if t.stride(0) != x_gate.stride(0) or t.stride(0) % 4 or t.data_ptr() % 16:
+            raise ValueError(f"{name}: rows must be 16-byte aligned with the stride of x_gate")
+    check_rows("x_sums", x_sums, (num_tokens, tables.hidden // GROUP), (torch.float32,), device)
+    check_vector("token_ids", token_ids, num_pairs, INDEX_DTYPES, device)
+    check_vector("expert_ids", expert_ids, num_pairs, INDEX_DTYPES, device)
+    check_rows("h", h, (num_pairs, tables.ff), (torch.float32,), device)
+    check_rows("h_sums", h_sums, (num_pairs, tables.ff // GROUP), (torch.float32,), device)
+    bt = block_tokens or default_block_tokens(num_tokens)
+    if bt not in (1, 2, 4) or block_rows < GROUP or triton.next_power_of_2(block_rows) != block_rows:
+        raise ValueError(f"need block_tokens in 1, 2, 4 and block_rows a power of two >= {GROUP}, "
+                         f"got {bt}, {block_rows}")
+    if tables.ff % GROUP:
+        raise ValueError(f"ff must be a multiple of {GROUP}, got {tables.ff}")
+    if num_pairs == 0:
+        return
+    down_order = int(tables.down_type) if has_kernel(tables.down_type) else -1
+    grid = (num_pairs, triton.cdiv(tables.ff, block_rows))
+    _gate_up_kernel[grid](
+        x_gate, x_up, x_gate.stride(0), x_sums, x_sums.stride(0), num_tokens, token_ids, expert_ids, num_pairs,
+        tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts,
+        tables.gate_row_bytes, tables.up_row_bytes, h, h.stride(0), h_sums, h_sums.stride(0), tables.ff, MAGIC,
+        GATE_FMT=int(tables.gate_type), UP_FMT=int(tables.up_type), DOWN_FMT=down_order, HIDDEN=tables.hidden,
+        BT=bt, BR=block_rows, WINDOW=window_for(num_pairs), GROUP=GROUP,
+        num_warps=num_warps or warps_for(block_rows),
+    )

@@ -1,0 +1,358 @@
+"""Dot products of quantized GGUF weight rows with a few activation rows, one function per format.
+
+`rows_dot` returns, for BR rows of one or two experts' matrices (a, b) and up to 4 activation rows
+(slots), `sum_k W[row, k] * X[slot, k]` as `[BR]` float32 per (matrix, slot).
+
+Codes become floats without int->float conversions (quarter-rate on Hopper): a field of a 32-bit
+word OR-ed into the mantissa of 2**23 is f = 2**23 + code * 2**e, exact, and one FMA,
+f * s - 2**23 * s, gives code * 2**e * s rounded once (s: the sub-block scale). The activations were
+multiplied by 2**-e beforehand (`ops.triton.prepare`), so the product is code * s * x. A block's
+offset (the min of Q4_K/Q5_K, the code bias 32 of Q6_K and 128 of Q8_0) is applied per sub-block
+against the sum of its activations, also prepared. Per weight that is one or two bitwise ops and
+two FMAs (one more per extra slot); everything is elementwise in the weight tile's register layout,
+and the sums over a row happen once, at the end.
+"""
+
+from __future__ import annotations
+
+import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
+import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from gguf import GGMLQuantizationType
+
+QType = GGMLQuantizationType
+
+Q4_K = tl.constexpr(int(QType.Q4_K))
+Q5_K = tl.constexpr(int(QType.Q5_K))
+Q6_K = tl.constexpr(int(QType.Q6_K))
+Q8_0 = tl.constexpr(int(QType.Q8_0))
+KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0)
+GROUP = 16  # activation sums are kept per 16 columns (the smallest sub-block, Q6_K's)
+MAGIC = 0x4B000000  # float32 bits of 2**23, passed to the kernels at run time (see _code_times)
+
+
+def has_kernel(qtype: QType) -> bool:
+    return qtype in KERNEL_TYPES
+
+
+@triton.jit
+def read_place(col, FMT: tl.constexpr):
+    """Natural column indices -> (where the kernel of format FMT reads them, the factor 2**-e
+    they are stored with). Any other FMT: unchanged, factor 1."""
+    t = col % 256
+    if FMT == Q4_K or FMT == Q5_K:
+        # 64j + 32n + 4i + k -> 64k + 32n + 8j + i; nibble at bit e = 8k + 4n, or e - 12 above 16
+        place = col - t + 64 * (t % 4) + 32 * ((t // 32) % 2) + 8 * (t // 64) + (t // 4) % 8
+        e = 8 * (t % 4) + 4 * ((t // 32) % 2)
+        e = tl.where(e > 16, e - 12, e)
+    elif FMT == Q6_K:
+        # 128h + 64nib + 32a + 16u + 2c + b -> 128nib + 64b + 32h + 16a + 8u + c; bit 8b + 4nib
+        place = (col - t + 128 * ((t // 64) % 2) + 64 * (t % 2) + 32 * (t // 128) + 16 * ((t // 32) % 2)
+                 + 8 * ((t // 16) % 2) + (t // 2) % 8)
+        e = 8 * (t % 2) + 4 * ((t // 64) % 2)
+    elif FMT == Q8_0:
+        # 32c + 2m + b -> 32c + 16b + m; byte b at bit 8b
+        u = col % 32
+        place = col - u + 16 * (u % 2) + u // 2
+        e = 8 * (u % 2)
+    else:
+        place = col
+        e = col * 0
+    return place, ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+# --- shared pieces -----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _code_times(bits, magic, s, c):
+    """int32 `bits` (a code times 2**e, below bit 23), magic = 0x4B000000 (the bits of 2**23; a run-time
+    value, so that it stays in one register and each field mask is the bitwise op's immediate),
+    s, c = -2**23 * s -> code * 2**e * s."""
+    return tl.fma((bits | magic).to(tl.float32, bitcast=True), s, c)
+
+
+@triton.jit
+def _f16(w):
+    """Low 16 bits of int32 words as an fp16 -> float32."""
+    return (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _slots(x0, x1, x2, x3, offsets, BT: tl.constexpr):
+    """Prepared activations of the BT slots at `offsets` (the other slots repeat slot 0). Loads are 16
+    bytes wide where Triton sees 16-byte aligned rows (row strides divisible by 16 elements)."""
+    v0 = tl.load(x0 + offsets)
+    v1, v2, v3 = v0, v0, v0
+    if BT > 1:
+        v1 = tl.load(x1 + offsets)
+    if BT > 2:
+        v2 = tl.load(x2 + offsets)
+        v3 = tl.load(x3 + offsets)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _fma4(a0, a1, a2, a3, q, v0, v1, v2, v3, BT: tl.constexpr):
+    a0 += q * v0
+    if BT > 1:
+        a1 += q * v1
+    if BT > 2:
+        a2 += q * v2
+        a3 += q * v3
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _total(a):
+    """Elementwise accumulator (any rank, rows on dim 1 or 0) -> row sums `[BR]`."""
+    if len(a.shape) == 4:
+        total = tl.sum(tl.sum(tl.sum(a, axis=3), axis=2), axis=0)
+    else:
+        total = tl.sum(tl.sum(a, axis=2), axis=1)
+    return total
+
+
+@triton.jit
+def _totals(a0, a1, a2, a3, m0, m1, m2, m3, BT: tl.constexpr):
+    """Row sums of code terms minus offset terms, per slot."""
+    r0 = _total(a0) - _total(m0)
+    r1, r2, r3 = r0, r0, r0
+    if BT > 1:
+        r1 = _total(a1) - _total(m1)
+    if BT > 2:
+        r2 = _total(a2) - _total(m2)
+        r3 = _total(a3) - _total(m3)
+    return r0, r1, r2, r3
+
+
+# --- Q4_K and Q5_K: 144 / 176-byte blocks of 256, fp16 d and dmin, 6-bit scales and mins -----------
+
+
+@triton.jit
+def _byte_field(lo, hi, shift, mask_lo, mask_hi):
+    """(lo >> shift) & mask_lo | (hi >> (shift + 2)) & mask_hi as a float (values < 64)."""
+    bits = ((lo >> shift) & mask_lo) | ((hi >> (shift + 2)) & mask_hi)
+    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _kquant_scales(blk, j, N: tl.constexpr):
+    """d * scale and dmin * min of sub-blocks s = 2j + N, `[1, BR, 4, 1]`. Scale bytes b[0..11]
+    (words 1..3 of the block): s < 4: b[s] & 63, b[s + 4] & 63; else (b[s + 4] & 15) | (b[s - 4] >> 6) << 4,
+    (b[s + 4] >> 4) | (b[s] >> 6) << 4."""
+    head = tl.load(blk)[None, :, None, None]  # fp16 d | dmin << 16
+    w1 = tl.load(blk + 1)[None, :, None, None]
+    w2 = tl.load(blk + 2)[None, :, None, None]
+    w3 = tl.load(blk + 3)[None, :, None, None]
+    s = 2 * j + N
+    is_low = s < 4
+    shift = 8 * (s & 3)
+    sc = _byte_field(tl.where(is_low, w1, w3), w1, shift, tl.where(is_low, 63, 15), tl.where(is_low, 0, 48))
+    mn = _byte_field(tl.where(is_low, w2, w3 >> 4), w2, shift, tl.where(is_low, 63, 15), tl.where(is_low, 0, 48))
+    return _f16(head) * sc, _f16(head >> 16) * mn
+
+
+@triton.jit
+def _kquant_bits(qs, fifth, E: tl.constexpr, N: tl.constexpr, FIFTH: tl.constexpr):
+    """Code bits of the nibble at bit E = 8k + 4N of each qs word, moved to E - 12 if E > 16 (to stay
+    inside the mantissa); for Q5_K with the fifth bit (bit 8k of `fifth`) above them."""
+    SHIFT = 12 * (E > 16)
+    bits = (qs >> SHIFT) & (15 << (E - SHIFT))
+    if FIFTH:
+        bits = bits | (((fifth >> SHIFT) << (4 * N + 4)) & (16 << (E - SHIFT)))
+    return bits
+
+
+@triton.jit
+def _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
+                 K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, FIFTH: tl.constexpr):
+    """Q4_K (FIFTH=False) or Q5_K rows; wa, wb: int32 pointers `[BR]` to each row's first word.
+    Tile per super-block: qs words `[2 (ih), BR, 4 (j), 4 (il)]`, word 8j + 4ih + il; byte k of word i
+    of chunk j holds weights 64j + 4i + k (low nibble, sub-block 2j) and 64j + 32 + 4i + k (high
+    nibble, sub-block 2j + 1). ih on the slowest dim keeps a chunk's 8 words in one thread."""
+    WORDS = 36 + 8 * FIFTH  # block size in words
+    QS = 4 + 8 * FIFTH  # first qs word
+    ih = tl.arange(0, 2)[:, None, None, None]
+    j = tl.arange(0, 4)[None, None, :, None]
+    il = tl.arange(0, 4)[None, None, None, :]
+    word = 8 * j + 4 * ih + il
+    zero = tl.zeros([2, wa.shape[0], 4, 4], tl.float32)
+    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
+    mzero = tl.zeros([1, wa.shape[0], 4, 1], tl.float32)
+    ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = mzero, mzero, mzero, mzero, mzero, mzero, mzero, mzero
+    for sb in range(K // 256):
+        ba = tl.multiple_of(wa + WORDS * sb, 16)
+        bb = tl.multiple_of(wb + WORDS * sb, 16)
+        qa = tl.load(ba[None, :, None, None] + QS + word)
+        qb, qha, qhb = qa, qa, qa
+        if TWO:
+            qb = tl.load(bb[None, :, None, None] + QS + word)
+        if FIFTH:  # qh word 4ih + il, the same for every chunk
+            qha = tl.load(ba[None, :, None, None] + 4 + 4 * ih + il + 0 * j)
+            if TWO:
+                qhb = tl.load(bb[None, :, None, None] + 4 + 4 * ih + il + 0 * j)
+        for n in tl.static_range(2):
+            dsa, dma = _kquant_scales(ba, j, n)
+            dsb, dmb = dsa, dma
+            if TWO:
+                dsb, dmb = _kquant_scales(bb, j, n)
+            fa = qha >> (2 * j + n)  # bit 8k: the fifth bit of weight (j, n, i, k)
+            fb = qhb >> (2 * j + n)
+            for k in tl.static_range(4):
+                v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 256 * sb + 64 * k + 32 * n + word, BT)
+                q = _code_times(_kquant_bits(qa, fa, 8 * k + 4 * n, n, FIFTH), magic, dsa, -8388608.0 * dsa)
+                a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, q, v0, v1, v2, v3, BT)
+                if TWO:
+                    q = _code_times(_kquant_bits(qb, fb, 8 * k + 4 * n, n, FIFTH), magic, dsb, -8388608.0 * dsb)
+                    b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, q, v0, v1, v2, v3, BT)
+            # sums of the sub-block's 32 activations: two groups of 16
+            group = 16 * sb + 4 * j + 2 * n
+            v0, v1, v2, v3 = _slots(s0, s1, s2, s3, group, BT)
+            u0, u1, u2, u3 = _slots(s0, s1, s2, s3, group + 1, BT)
+            ma0, ma1, ma2, ma3 = _fma4(ma0, ma1, ma2, ma3, dma, v0 + u0, v1 + u1, v2 + u2, v3 + u3, BT)
+            if TWO:
+                mb0, mb1, mb2, mb3 = _fma4(mb0, mb1, mb2, mb3, dmb, v0 + u0, v1 + u1, v2 + u2, v3 + u3, BT)
+    a0, a1, a2, a3 = _totals(a0, a1, a2, a3, ma0, ma1, ma2, ma3, BT)
+    b0, b1, b2, b3 = _totals(b0, b1, b2, b3, mb0, mb1, mb2, mb3, BT)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+# --- Q6_K: 210-byte blocks (2-byte aligned), read as 16-bit halves -------------------------------------
+
+
+@triton.jit
+def _q6k_load(blk, m, c):
+    """ql `[BR, 8, 8]` and qh (moved, see below) of one super-block; blk: int16 pointers `[BR]`."""
+    ql = tl.load(blk[:, None, None] + 8 * m + c).to(tl.int32)
+    qh = tl.load(blk[:, None, None] + 64 + 16 * (m // 4) + 8 * (m % 2) + c).to(tl.int32)
+    # the 2 high bits of (a, byte b) sit at bit 8b + 2a + 4nib of the qh half; move them to 8b + 4nib + 4
+    return ql, qh << (4 - 2 * ((m // 2) % 2))
+
+
+@triton.jit
+def _q6k_scales(blk, m, c, NIB: tl.constexpr):
+    """d * scale `[BR, 8, 8]` (the same along c) of the sub-blocks 8h + 2a + 4NIB + u of tile rows m."""
+    d = _f16(tl.load(blk + 104).to(tl.int32))[:, None, None]
+    sub = 8 * (m // 4) + 2 * ((m // 2) % 2) + 4 * NIB + (m % 2) + 0 * c
+    scales = blk.to(tl.pointer_type(tl.int8), bitcast=True)[:, None, None] + 192 + sub
+    # no contiguity along m: the load then takes the ql tile's layout (c fastest)
+    scales = tl.max_contiguous(scales, [1, 1, 1])
+    sc = tl.load(scales).to(tl.int32)
+    # int8 -> float: (byte ^ 0x80) is the code + 128
+    return d * ((((sc ^ 0x80) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0), sub
+
+
+@triton.jit
+def _q6k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
+              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr):
+    """Q6_K rows; wa, wb: int16 pointers `[BR]` to each row. Per super-block (105 halves): ql halves
+    0..63, qh 64..95, int8 scales at bytes 192..207, fp16 d at half 104. Tile `[BR, 8 (m), 8 (c)]`
+    over ql half 8m + c with m = 4h + 2a + u: byte b holds weights 128h + 32a + 16u + 2c + b (low
+    nibble) and the same + 64 (high nibble); w = d * scale * (q - 32) per 16 weights."""
+    m = tl.arange(0, 8)[None, :, None]
+    c = tl.arange(0, 8)[None, None, :]
+    zero = tl.zeros([wa.shape[0], 8, 8], tl.float32)
+    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
+    ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
+    for sb in range(K // 256):
+        ba = wa + 105 * sb
+        bb = wb + 105 * sb
+        qla, qha = _q6k_load(ba, m, c)
+        qlb, qhb = qla, qha
+        if TWO:
+            qlb, qhb = _q6k_load(bb, m, c)
+        for nib in tl.static_range(2):
+            dsa, sub = _q6k_scales(ba, m, c, nib)
+            dsb = dsa
+            if TWO:
+                dsb, sub = _q6k_scales(bb, m, c, nib)
+            for b in tl.static_range(2):
+                E = 8 * b + 4 * nib
+                v0, v1, v2, v3 = _slots(x0, x1, x2, x3,
+                                        256 * sb + 128 * nib + 64 * b + 8 * m + c, BT)
+                q = _code_times((qla & (15 << E)) | (qha & (48 << E)), magic, dsa, -8388608.0 * dsa)
+                a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, q, v0, v1, v2, v3, BT)
+                if TWO:
+                    q = _code_times((qlb & (15 << E)) | (qhb & (48 << E)), magic, dsb, -8388608.0 * dsb)
+                    b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, q, v0, v1, v2, v3, BT)
+            # code bias 32 per sub-block, counted once per sub-block: 1/8 on each of its 8 c
+            v0, v1, v2, v3 = _slots(s0, s1, s2, s3, 16 * sb + sub + 0 * m, BT)
+            ma0, ma1, ma2, ma3 = _fma4(ma0, ma1, ma2, ma3, 4.0 * dsa, v0, v1, v2, v3, BT)
+            if TWO:
+                mb0, mb1, mb2, mb3 = _fma4(mb0, mb1, mb2, mb3, 4.0 * dsb, v0, v1, v2, v3, BT)
+    a0, a1, a2, a3 = _totals(a0, a1, a2, a3, ma0, ma1, ma2, ma3, BT)
+    b0, b1, b2, b3 = _totals(b0, b1, b2, b3, mb0, mb1, mb2, mb3, BT)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+# --- Q8_0: 34-byte blocks of 32 int8 (2-byte aligned), read as halves, NB blocks at a time ----------
+
+
+@triton.jit
+def _q80_load(start, c, m):
+    """Halves `[BR, NB, 16]` (half 1 + m of block c: weights 2m, 2m + 1) and d (the same along m)."""
+    halves = tl.load(start[:, None, None] + 17 * c + 1 + m).to(tl.int32)
+    d = _f16(tl.load(start[:, None, None] + 17 * c + 0 * m).to(tl.int32))
+    return halves, d
+
+
+@triton.jit
+def _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
+              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr):
+    """Q8_0 rows; wa, wb: int16 pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 halves]`;
+    byte b of half 1 + m of block c, xor 0x80, is the int8 code of weight 32c + 2m + b, plus 128."""
+    m = tl.arange(0, 16)[None, None, :]
+    zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
+    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
+    ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
+    for g in range(K // 32 // NB):
+        c = NB * g + tl.arange(0, NB)[None, :, None]
+        qa, da = _q80_load(wa, c, m)
+        qb, db = qa, da
+        if TWO:
+            qb, db = _q80_load(wb, c, m)
+        for b in tl.static_range(2):
+            v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * b + m, BT)
+            q = _code_times((qa ^ (128 << (8 * b))) & (255 << (8 * b)), magic, da, -8388608.0 * da)
+            a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, q, v0, v1, v2, v3, BT)
+            if TWO:
+                q = _code_times((qb ^ (128 << (8 * b))) & (255 << (8 * b)), magic, db, -8388608.0 * db)
+                b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, q, v0, v1, v2, v3, BT)
+        # code bias 128 per block, counted once per block: 1/16 on each of its 16 halves
+        v0, v1, v2, v3 = _slots(s0, s1, s2, s3, 2 * c + 0 * m, BT)
+        u0, u1, u2, u3 = _slots(s0, s1, s2, s3, 2 * c + 1 + 0 * m, BT)
+        ma0, ma1, ma2, ma3 = _fma4(ma0, ma1, ma2, ma3, 8.0 * da, v0 + u0, v1 + u1, v2 + u2, v3 + u3, BT)
+        if TWO:
+            mb0, mb1, mb2, mb3 = _fma4(mb0, mb1, mb2, mb3, 8.0 * db, v0 + u0, v1 + u1, v2 + u2, v3 + u3, BT)
+    a0, a1, a2, a3 = _totals(a0, a1, a2, a3, ma0, ma1, ma2, ma3, BT)
+    b0, b1, b2, b3 = _totals(b0, b1, b2, b3, mb0, mb1, mb2, mb3, BT)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+# --- one row block of any format --------------------------------------------------------------------
+
+
+@triton.jit
+def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, magic,
+             FMT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr):
+    """Dots of rows `rows` (`[BR]`, all in range) of the matrices at byte addresses addr_a and, if TWO,
+    addr_b (int64, 16-byte aligned, rows of row_bytes, format FMT, K columns) with activation rows
+    x0..x3 (pointers to rows prepared for FMT; BT slots used) and their sums per 16 columns s0..s3
+    (pointers); magic = 0x4B000000. Nothing is masked: callers clamp rows and point empty slots at a valid row.
+    Returns `[BR]` float32 for (a, slot 0..3), then (b, slot 0..3)."""
+    if FMT == Q4_K or FMT == Q5_K:
+        wa = addr_a.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
+        wb = addr_b.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
+        out = _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO, FMT == Q5_K)
+    elif FMT == Q6_K:
+        wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
+        wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
+        out = _q6k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO)
+    else:
+        tl.static_assert(FMT == Q8_0, "rows_dot: no kernel for this format")
+        wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
+        wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
+        # blocks per step: the largest of 8, 4, 2, 1 that divides the row (lowest set bit of n | 8)
+        out = _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
+                        ((K // 32) | 8) & (-((K // 32) | 8)))
+    return out

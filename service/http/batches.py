@@ -1,0 +1,173 @@
+"""OpenAI's Files and Batch APIs over jobs: `/v1/files` (purpose `batch`, JSONL) and `/v1/batches`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+
+from service.http.errors import ApiError, bad_request, read_json
+from service.http.jobs import DEFAULT_PAGE, jobs_of, page_object, query_int
+from service.http.params import Body
+from service.jobs.api import ENDPOINT_KINDS, MAX_PAGE
+from service.jobs.store import Batch, FileObject
+
+CHUNK_BYTES = 1 << 16
+COMPLETION_WINDOW = re.compile(r"[1-9][0-9]*h")
+
+
+def file_object(file: FileObject) -> dict[str, Any]:
+    return {**dataclasses.asdict(file), "status": "processed", "status_details": None, "expires_at": None}
+
+
+def batch_object(batch: Batch) -> dict[str, Any]:
+    return dataclasses.asdict(batch)
+
+
+def file_not_found(file_id: str) -> ApiError:
+    return ApiError(404, f"no file {file_id!r}", "file_id", "not_found")
+
+
+# -- files ---------------------------------------------------------------------------------------------
+async def upload_file(request: web.Request) -> web.Response:
+    """multipart/form-data with `purpose` (must be `batch`) and `file`; read in chunks, so the size
+    limit holds without buffering more than it."""
+    jobs = jobs_of(request)
+    fields = await read_upload(request, jobs.options.max_file_bytes)
+    if fields.get("purpose") != "batch":
+        raise bad_request("purpose must be 'batch' (the only files this server uses)", "purpose")
+    if "file" not in fields:
+        raise bad_request("the form has no file part", "file")
+    filename, data = fields["file"]
+    file = await asyncio.to_thread(jobs.store.create_file, "batch", filename, data)
+    return web.json_response(file_object(file))
+
+
+async def read_upload(request: web.Request, max_bytes: int) -> dict[str, Any]:
+    if not request.content_type.startswith("multipart/"):
+        raise bad_request("upload the file as multipart/form-data")
+    fields: dict[str, Any] = {}
+    reader = await request.multipart()
+    async for part in reader:
+        if not isinstance(part, BodyPartReader):
+            continue
+        if part.name == "file":
+            fields["file"] = (part.filename or "upload.jsonl", await read_part(part, max_bytes))
+        elif part.name == "purpose":
+            fields["purpose"] = (await read_part(part, 1024)).decode(errors="replace")
+    return fields
+
+
+async def read_part(part: BodyPartReader, max_bytes: int) -> bytes:
+    data = bytearray()
+    while chunk := await part.read_chunk(CHUNK_BYTES):
+        data += chunk
+        if len(data) > max_bytes:
+            raise ApiError(413, f"the file is larger than {max_bytes} bytes", "file", "file_too_large")
+    return bytes(data)
+
+
+async def get_file(request: web.Request) -> web.Response:
+    file_id = request.match_info["file_id"]
+    file = await asyncio.to_thread(jobs_of(request).store.get_file, file_id)
+    if file is None:
+        raise file_not_found(file_id)
+    return web.json_response(file_object(file))
+
+
+async def file_content(request: web.Request) -> web.Response:
+    file_id = request.match_info["file_id"]
+    data = await asyncio.to_thread(jobs_of(request).store.file_content, file_id)
+    if data is None:
+        raise file_not_found(file_id)
+    return web.Response(body=data, content_type="application/jsonl")
+
+
+async def list_files(request: web.Request) -> web.Response:
+    limit = page_limit(request)
+    files = await asyncio.to_thread(jobs_of(request).store.list_files, purpose=request.query.get("purpose"),
+                                    limit=limit + 1, after=request.query.get("after"))
+    return web.json_response(page_object([file_object(f) for f in files[:limit]], len(files) > limit))
+
+
+async def delete_file(request: web.Request) -> web.Response:
+    file_id = request.match_info["file_id"]
+    if not await asyncio.to_thread(jobs_of(request).store.delete_file, file_id):
+        raise file_not_found(file_id)
+    return web.json_response({"id": file_id, "object": "file", "deleted": True})
+
+
+def page_limit(request: web.Request) -> int:
+    limit = query_int(request, "limit", DEFAULT_PAGE)
+    if not 1 <= limit <= MAX_PAGE:
+        raise bad_request(f"limit must be in [1, {MAX_PAGE}] (got {limit})", "limit")
+    return limit
+
+
+# -- batches -------------------------------------------------------------------------------------------
+async def create_batch(request: web.Request) -> web.Response:
+    jobs, body = jobs_of(request), Body(await read_json(request))
+    input_file_id, endpoint = body.string("input_file_id"), body.string("endpoint")
+    window = body.string("completion_window", "24h") or "24h"
+    if endpoint not in ENDPOINT_KINDS:
+        raise bad_request(f"endpoint must be one of {', '.join(ENDPOINT_KINDS)} (got {endpoint!r})", "endpoint")
+    file = None if input_file_id is None else await asyncio.to_thread(jobs.store.get_file, input_file_id)
+    if input_file_id is None or file is None:
+        raise ApiError(404, f"no input file {input_file_id!r}", "input_file_id", "not_found")
+    if file.purpose != "batch":
+        raise bad_request(f"the input file's purpose is {file.purpose!r}, not 'batch'", "input_file_id")
+    if not COMPLETION_WINDOW.fullmatch(window):
+        raise bad_request(f"completion_window must be a number of hours like '24h' (got {window!r})",
+                          "completion_window")
+    metadata = check_metadata(body.raw("metadata"))
+    batch = await asyncio.to_thread(jobs.batches.create, input_file_id, endpoint, window, metadata)
+    jobs.wake_worker()
+    return web.json_response(batch_object(batch))
+
+
+def check_metadata(metadata: Any) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad_request("metadata must be an object of strings", "metadata")
+    return metadata
+
+
+async def get_batch(request: web.Request) -> web.Response:
+    batch_id = request.match_info["batch_id"]
+    batch = await asyncio.to_thread(jobs_of(request).store.get_batch, batch_id)
+    if batch is None:
+        raise ApiError(404, f"no batch {batch_id!r}", "batch_id", "not_found")
+    return web.json_response(batch_object(batch))
+
+
+async def cancel_batch(request: web.Request) -> web.Response:
+    batch_id = request.match_info["batch_id"]
+    batch = await jobs_of(request).cancel_batch(batch_id)
+    if batch is None:
+        raise ApiError(404, f"no batch {batch_id!r}", "batch_id", "not_found")
+    return web.json_response(batch_object(batch))
+
+
+async def list_batches(request: web.Request) -> web.Response:
+    limit = page_limit(request)
+    batches = await asyncio.to_thread(jobs_of(request).store.list_batches, limit=limit + 1,
+                                      after=request.query.get("after"))
+    return web.json_response(page_object([batch_object(b) for b in batches[:limit]], len(batches) > limit))
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/v1/files", upload_file),
+        web.get("/v1/files", list_files),
+        web.get("/v1/files/{file_id}", get_file),
+        web.delete("/v1/files/{file_id}", delete_file),
+        web.get("/v1/files/{file_id}/content", file_content),
+        web.post("/v1/batches", create_batch),
+        web.get("/v1/batches", list_batches),
+        web.get("/v1/batches/{batch_id}", get_batch),
+        web.post("/v1/batches/{batch_id}/cancel", cancel_batch),
+    ]

@@ -1,0 +1,318 @@
+"""The Triton grouped expert FFN (`ops.triton`) against the torch reference `expert_ffn_torch`.
+
+Fresh random inputs every run: valid random GGUF blocks, routing with experts shared by several
+tokens, a token holding the same expert twice, skipped pairs (-1) and a shuffled pair order. The
+output buffer is poisoned with NaN before each run, and so is the memory the kernels' intermediate
+buffers come from (a read of a skipped pair's row would surface as NaN).
+
+The CUDA tests carry `@pytest.mark.gpu`. Without CUDA, the same checks run on tiny shapes under
+Triton's interpreter in a subprocess (TRITON_INTERPRET=1 must be set before Triton compiles
+anything, and must not reach the other tests of this process).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from ops import quants
+from ops.cpu_experts import ExpertWeights, QType
+from ops.expert_ffn import expert_ffn_torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
+
+from ops.triton import ExpertTables, LaunchConfig, expert_ffn_triton, grouped_expert_ffn, tables_from_bank  # noqa: E402
+
+# ||out - ref|| / ||ref|| over the whole output. The kernels compute in float32 on exactly the
+# activations the reference sees (bf16 widens exactly), so only summation order differs: measured
+# ~5e-7. A wrong scale, min, bit plane or skipped pair gives errors of order 1e-2 to 1.
+RTOL = 1e-5
+
+# gate, up, down types: the four kernel formats, the Q4_K_M layout (Q6_K down), a mix of all
+# kernels, and formats without a kernel (gather + dequantize path, also mixed with a kernel)
+FORMATS = [
+    (QType.Q4_K, QType.Q4_K, QType.Q4_K),
+    (QType.Q5_K, QType.Q5_K, QType.Q5_K),
+    (QType.Q6_K, QType.Q6_K, QType.Q6_K),
+    (QType.Q8_0, QType.Q8_0, QType.Q8_0),
+    (QType.Q4_K, QType.Q4_K, QType.Q6_K),
+    (QType.Q5_K, QType.Q8_0, QType.Q4_K),
+    (QType.IQ4_XS, QType.F16, QType.Q8_0),
+]
+HERE = Path(__file__).resolve()
+
+
+@dataclass(frozen=True)
+class DeviceBank:
+    """An `ExpertBank` on any device (ExpertWeights holds CPU tensors only)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_type: QType
+    up_type: QType
+    down_type: QType
+    hidden: int
+    ff: int
+
+
+@dataclass(frozen=True)
+class Case:
+    types: tuple[QType, QType, QType]
+    num_tokens: int
+    dtype: torch.dtype = torch.float32
+    hidden: int = 512
+    ff: int = 256
+    num_experts: int = 8
+    top_k: int = 4
+    block_tokens: int | None = None
+    gate_up_rows: int = 16  # rows per program
+    down_rows: int = 32
+
+
+def random_bank(case: Case, generator: torch.Generator) -> ExpertWeights:
+    def projection(qtype: QType, rows: int, cols: int) -> torch.Tensor:
+        blocks = cols // quants.format_of(qtype).block_size
+        return quants.random_blocks(qtype, case.num_experts * rows * blocks, generator).view(case.num_experts, rows, -1)
+
+    gate_type, up_type, down_type = case.types
+    return ExpertWeights(
+        projection(gate_type, case.ff, case.hidden), projection(up_type, case.ff, case.hidden),
+        projection(down_type, case.hidden, case.ff), gate_type, up_type, down_type, case.hidden, case.ff)
+
+
+def on_device(bank: ExpertWeights, device: torch.device, pin: bool = False) -> DeviceBank:
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory() if pin else t.to(device)
+
+    return DeviceBank(move(bank.gate), move(bank.up), move(bank.down), bank.gate_type, bank.up_type,
+                      bank.down_type, bank.hidden, bank.ff)
+
+
+def random_routing(case: Case, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token_ids, expert_ids, weights (CPU): top_k distinct experts per token, one extra pair that
+    repeats a (token, expert), about 1 in 6 pairs skipped, pairs shuffled."""
+    scores = torch.rand(case.num_tokens, case.num_experts, generator=generator)
+    expert_ids = scores.topk(case.top_k, dim=1).indices.reshape(-1)
+    token_ids = torch.arange(case.num_tokens).repeat_interleave(case.top_k)
+    token_ids, expert_ids = torch.cat([token_ids, token_ids[:1]]), torch.cat([expert_ids, expert_ids[:1]])
+    is_skipped = torch.rand(expert_ids.shape, generator=generator) < 1 / 6
+    expert_ids = torch.where(is_skipped, -1, expert_ids)
+    order = torch.randperm(expert_ids.shape[0], generator=generator)
+    weights = torch.rand(expert_ids.shape, generator=generator)
+    return token_ids[order], expert_ids[order], weights[order]
+
+
+def poison_allocator(device: torch.device, num_bytes: int) -> None:
+    """Leave NaN in the memory the next allocations of this size will get (CUDA caching allocator)."""
+    if device.type == "cuda":
+        torch.empty(num_bytes // 4, dtype=torch.float32, device=device).fill_(float("nan"))
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double().cpu() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def run_case(case: Case, device: torch.device, seed: int) -> float:
+    """Kernel output vs the reference for fresh random inputs; asserts and returns the relative error."""
+    generator = torch.Generator().manual_seed(seed)
+    bank = random_bank(case, generator)
+    token_ids, expert_ids, weights = random_routing(case, generator)
+    x = torch.randn(case.num_tokens, case.hidden, generator=generator).to(case.dtype)
+    ref = expert_ffn_torch(x, token_ids, expert_ids, weights, bank)
+    device_bank = on_device(bank, device)  # NOTE: tables hold raw addresses; the bank must stay alive
+    tables = tables_from_bank(device_bank, device)
+    out = torch.full((case.num_tokens, case.hidden), float("nan"), device=device)
+    poison_allocator(device, 64 << 20)
+    grouped_expert_ffn(x.to(device), token_ids.to(device), expert_ids.to(device), weights.to(device), tables,
+                       out=out, config=LaunchConfig(case.gate_up_rows, case.down_rows, case.block_tokens))
+    assert out.isfinite().all(), "unwritten or non-finite outputs"
+    error = relative_error(out, ref)
+    assert error < RTOL, f"{case}: relative error {error:.2e}"
+    return error
+
+
+# --- CUDA -----------------------------------------------------------------------------------------
+
+
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("types", FORMATS, ids=lambda t: "-".join(q.name for q in t))
+def test_matches_reference(types: tuple[QType, QType, QType], dtype: torch.dtype) -> None:
+    run_case(Case(types, num_tokens=5, dtype=dtype), CUDA, seed=int(torch.randint(1 << 30, ())))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2, 8, 17, 32])
+def test_token_counts(num_tokens: int) -> None:
+    case = Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens, torch.bfloat16, hidden=1024, ff=512,
+                num_experts=16, top_k=8)
+    run_case(case, CUDA, seed=int(torch.randint(1 << 30, ())))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_tokens", [1, 2, 4])
+def test_experts_shared_by_many_tokens(block_tokens: int) -> None:
+    # 32 tokens on 6 experts: groups of ~20 pairs, several passes of block_tokens pairs each
+    case = Case((QType.Q4_K,) * 3, 32, num_experts=6, top_k=4, block_tokens=block_tokens)
+    run_case(case, CUDA, seed=int(torch.randint(1 << 30, ())))
+
+
+@pytest.mark.gpu
+def test_pinned_host_bank_reads_the_same_bits() -> None:
+    case = Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=3)
+    generator = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    bank = random_bank(case, generator)
+    token_ids, expert_ids, weights = (t.to(CUDA) for t in random_routing(case, generator))
+    x = torch.randn(case.num_tokens, case.hidden, generator=generator).to(CUDA)
+    in_vram = expert_ffn_triton(x, token_ids, expert_ids, weights, on_device(bank, CUDA))
+    host = on_device(bank, CUDA, pin=True)
+    assert host.gate.device.type == "cpu" and host.gate.is_pinned()
+    zero_copy = expert_ffn_triton(x, token_ids, expert_ids, weights, host)
+    assert torch.equal(in_vram, zero_copy)
+    ref = expert_ffn_torch(x.cpu(), token_ids.cpu(), expert_ids.cpu(), weights.cpu(), bank)
+    assert relative_error(zero_copy, ref) < RTOL
+
+
+@pytest.mark.gpu
+def test_deterministic() -> None:
+    case = Case((QType.Q4_K,) * 3, num_tokens=16, num_experts=4)
+    generator = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    device_bank = on_device(random_bank(case, generator), CUDA)
+    token_ids, expert_ids, weights = (t.to(CUDA) for t in random_routing(case, generator))
+    x = torch.randn(case.num_tokens, case.hidden, generator=generator).to(CUDA)
+    first = expert_ffn_triton(x, token_ids, expert_ids, weights, device_bank)
+    assert all(torch.equal(first, expert_ffn_triton(x, token_ids, expert_ids, weights, device_bank))
+               for _ in range(3))
+
+
+@pytest.mark.gpu
+def test_null_pointers_and_bad_ids_are_skipped() -> None:
+    case = Case((QType.Q4_K, QType.Q4_K, QType.Q8_0), num_tokens=6)
+    generator = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    bank = random_bank(case, generator)
+    token_ids, expert_ids, weights = random_routing(case, generator)
+    device_bank = on_device(bank, CUDA)
+    tables = tables_from_bank(device_bank, CUDA)
+    no_down = tables.down_ptrs.clone()
+    no_down[3] = 0  # expert 3 not placed anywhere
+    tables = ExpertTables(tables.gate_ptrs, tables.up_ptrs, no_down, *case.types, case.hidden, case.ff)
+    expert_ids[:2] = torch.tensor([case.num_experts, -7])  # out of range either way
+    kept = torch.where((expert_ids == 3) | (expert_ids >= case.num_experts) | (expert_ids < 0), -1, expert_ids)
+    x = torch.randn(case.num_tokens, case.hidden, generator=generator)
+    ref = expert_ffn_torch(x, token_ids, kept, weights, bank)
+    poison_allocator(CUDA, 64 << 20)
+    out = grouped_expert_ffn(x.to(CUDA), token_ids.to(CUDA), expert_ids.to(CUDA), weights.to(CUDA), tables)
+    assert out.isfinite().all()
+    assert relative_error(out, ref) < RTOL
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_follows_new_routing() -> None:
+    case = Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=4)
+    generator = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    bank = random_bank(case, generator)
+    device_bank = on_device(bank, CUDA)
+    tables = tables_from_bank(device_bank, CUDA)
+    token_ids, expert_ids, weights = (t.to(CUDA) for t in random_routing(case, generator))
+    x = torch.randn(case.num_tokens, case.hidden, generator=generator).to(CUDA)
+    out = torch.empty(case.num_tokens, case.hidden, device=CUDA)
+    grouped_expert_ffn(x, token_ids, expert_ids, weights, tables, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_expert_ffn(x, token_ids, expert_ids, weights, tables, out=out)
+    for _ in range(2):
+        new_tokens, new_experts, new_weights = random_routing(case, generator)
+        token_ids.copy_(new_tokens), expert_ids.copy_(new_experts), weights.copy_(new_weights)
+        x.copy_(torch.randn(case.num_tokens, case.hidden, generator=generator))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = expert_ffn_torch(x.cpu(), new_tokens, new_experts, new_weights, bank)
+        assert relative_error(out, ref) < RTOL
+
+
+@pytest.mark.gpu
+def test_launcher_rejects_bad_inputs() -> None:
+    case = Case((QType.Q4_K,) * 3, num_tokens=2)
+    generator = torch.Generator().manual_seed(0)
+    device_bank = on_device(random_bank(case, generator), CUDA)
+    token_ids, expert_ids, weights = (t.to(CUDA) for t in random_routing(case, generator))
+    x = torch.randn(case.num_tokens, case.hidden, device=CUDA)
+    with pytest.raises(ValueError, match="x"):
+        expert_ffn_triton(x[:, :-16], token_ids, expert_ids, weights, device_bank)
+    with pytest.raises(ValueError, match="expert_ids"):
+        expert_ffn_triton(x, token_ids, expert_ids.float(), weights, device_bank)
+    with pytest.raises(ValueError, match="weights"):
+        expert_ffn_triton(x, token_ids, expert_ids, weights[:-1], device_bank)
+    host = random_bank(case, generator)  # pageable host memory: not readable by the GPU
+    with pytest.raises(ValueError, match="cannot be read"):
+        expert_ffn_triton(x, token_ids, expert_ids, weights, host)
+
+
+# --- anywhere -----------------------------------------------------------------------------------------
+
+
+def test_tables_reject_bad_pointer_tables() -> None:
+    good = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="int64"):
+        ExpertTables(good.int(), good, good, QType.Q4_K, QType.Q4_K, QType.Q4_K, 256, 256)
+    with pytest.raises(ValueError, match="num_experts"):
+        ExpertTables(good, good[:3], good, QType.Q4_K, QType.Q4_K, QType.Q4_K, 256, 256)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        ExpertTables(good, good, good, QType.Q4_K, QType.Q4_K, QType.Q4_K, 256, 128)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs on CPU tensors")
+def test_cpu_tensors_need_cuda_or_the_interpreter() -> None:
+    case = Case((QType.Q4_K,) * 3, num_tokens=1, hidden=256, ff=256, num_experts=2, top_k=1)
+    generator = torch.Generator().manual_seed(0)
+    bank = random_bank(case, generator)
+    token_ids, expert_ids, weights = random_routing(case, generator)
+    with pytest.raises(ValueError, match="CUDA"):
+        expert_ffn_triton(torch.randn(1, 256), token_ids, expert_ids, weights, bank)
+
+
+# --- the interpreter (no CUDA) ------------------------------------------------------------------------
+
+# tiny shapes and few, large programs: the interpreter runs each program in numpy
+INTERPRETER_CASES = [
+    Case((QType.Q4_K,) * 3, num_tokens=3, hidden=256, ff=256, num_experts=4, top_k=2, gate_up_rows=32),
+    Case((QType.Q5_K, QType.Q4_K, QType.Q6_K), num_tokens=2, dtype=torch.bfloat16, hidden=256, ff=256,
+         num_experts=4, top_k=2, gate_up_rows=32),
+    Case((QType.Q8_0,) * 3, num_tokens=3, hidden=256, ff=256, num_experts=4, top_k=2, gate_up_rows=32),
+    Case((QType.Q4_K,) * 3, num_tokens=4, hidden=256, ff=256, num_experts=2, top_k=2, block_tokens=4,
+         gate_up_rows=32),
+    Case((QType.IQ4_XS, QType.F16, QType.Q8_0), num_tokens=2, hidden=256, ff=256, num_experts=3, top_k=2,
+         gate_up_rows=32),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")
+def test_kernels_under_the_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[2]))
+    result = subprocess.run([sys.executable, str(HERE), "--interpret"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.stdout.count("ok ") == len(INTERPRETER_CASES), result.stdout
+
+
+def _interpret_main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    seed = int.from_bytes(os.urandom(4), "little")
+    for index, case in enumerate(INTERPRETER_CASES):
+        error = run_case(case, torch.device("cpu"), seed + index)
+        print(f"ok {'-'.join(q.name for q in case.types)} tokens={case.num_tokens} error={error:.1e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    sys.exit(_interpret_main())

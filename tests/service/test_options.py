@@ -1,0 +1,80 @@
+"""`MOECACHE_<OPTION>` environment defaults: every serve flag has one, values are checked like flags,
+an empty value keeps the default, and a bad value only fails the command that uses it."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from service.cli import build_parser, main
+from service.commands.serve import serve_config, serve_options
+from service.options import env_name
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def serve_flags() -> list[argparse.Action]:
+    return [a for a in serve_parser()._actions if a.help != argparse.SUPPRESS and a.dest != "help"]
+
+
+def sample(action: argparse.Action) -> tuple[str, object]:
+    """A value other than the default for the flag's variable, and what the parsed option should be."""
+    if isinstance(action, argparse._StoreTrueAction):
+        return "true", True
+    if action.choices:
+        choice = list(action.choices)[-1]
+        return str(choice), choice
+    if action.type in (int, float):
+        return "7", action.type("7")
+    return "/some/value", "/some/value"
+
+
+def test_every_serve_flag_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = {}
+    for action in serve_flags():
+        text, expected[action.dest] = sample(action)
+        monkeypatch.setenv(env_name(action.dest), text)
+    args = vars(build_parser().parse_args(["serve"]))
+    assert {dest: args[dest] for dest in expected} == expected
+
+
+def test_variables_reach_the_server_options_and_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"MOECACHE_HOST": "0.0.0.0", "MOECACHE_PORT": "8001", "MOECACHE_API_KEY": "k",
+                        "MOECACHE_SHUTDOWN_TIMEOUT": "2.5", "MOECACHE_MAX_N": "3", "MOECACHE_MODEL": "/models/m.gguf",
+                        "MOECACHE_MAX_CONTEXT": "400", "MOECACHE_CPU_MOE": "1", "MOECACHE_MISS_MODE": "hybrid",
+                        "MOECACHE_MOE_CACHE_MIB": "64"}.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["serve"])
+    options, config = serve_options(args), serve_config(args)
+    assert (options.host, options.port, options.api_key, options.shutdown_timeout) == ("0.0.0.0", 8001, "k", 2.5)
+    assert options.limits.max_n == 3
+    assert (config.model.path, config.model.max_context, config.cache.budget_mib) == ("/models/m.gguf", 400, 64)
+    assert config.cache.cpu_moe is True and config.cache.miss_mode == "hybrid"
+
+
+def test_a_flag_beats_its_variable_and_empty_keeps_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOECACHE_PORT", "8001")
+    monkeypatch.setenv("MOECACHE_MOE_CACHE_MIB", "")
+    monkeypatch.setenv("MOECACHE_CACHE_POLICY", "")
+    assert build_parser().parse_args(["serve", "--port", "9"]).port == 9
+    args = build_parser().parse_args(["serve"])
+    assert (args.port, args.moe_cache_mib, args.cache_policy) == (8001, None, "lru")
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("MOECACHE_PORT", "eighty", "invalid value 'eighty' (from the flag or MOECACHE_PORT)"),
+    ("MOECACHE_MISS_MODE", "gpu", "'gpu' (from the flag or MOECACHE_MISS_MODE) is not one of cpu, stream, hybrid"),
+])
+def test_a_bad_variable_is_a_usage_error_of_its_command(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str], name: str, value: str,
+                                                         message: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    # another command, which has no such option, is not affected
+    assert build_parser().parse_args(["synth", "x.gguf"]).command == "synth"
