@@ -94,7 +94,8 @@ class ExpertCache:
         on_device, cpu = self._split(layer, x, tokens, experts, slots, pair_weights)
         self._records.append(LayerRecord(layer, experts, slots, on_device))
         # NOTE: exactly once: the device computes the pairs in `on_device`, the CPU the others, at once.
-        out = self.compute.ffn(layer, x, tokens, on_device, slots, pair_weights)
+        out = self.compute.ffn(layer, x, tokens, on_device, slots, pair_weights,
+                               stage=x.shape[0] > self.cfg.max_cached_batch)
         return _sum(out, cpu.result() if cpu is not None else None).to(x.dtype)
 
     def _split(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,

@@ -4,12 +4,23 @@ An editable install skips this: `stubs.load()` generates into the checkout on fi
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from setuptools.command.build_py import build_py
 
-from service.grpc_api import stubs
+
+def _stubs() -> ModuleType:
+    """`stubs.py` loaded from its file: the build environment cannot import the `service` package."""
+    spec = importlib.util.spec_from_file_location("_moecache_grpc_stubs", Path(__file__).with_name("stubs.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 
 class BuildPy(build_py):
@@ -17,6 +28,7 @@ class BuildPy(build_py):
         super().run()
         if self.editable_mode:
             return
+        stubs = _stubs()
         package = Path(self.build_lib) / "service" / "grpc_api"
         shutil.copytree(stubs.CHECKOUT_PROTO, package / "proto", dirs_exist_ok=True)
         shutil.rmtree(package / "_gen", ignore_errors=True)  # never ship stubs of an earlier build
