@@ -188,7 +188,7 @@ def expert_ffn_cpu(
     lib = load_native()
     if lib is not None and lib.supports(w):
         return lib.ffn(x, token_ids, expert_ids, weights, w, num_threads)
-    return expert_ffn_torch(x, token_ids, expert_ids, weights, w)
+    return expert_ffn_tiled(x, token_ids, expert_ids, weights, w)
 
 
 def _tiled_matmul(a: torch.Tensor, raw: torch.Tensor, qtype: QType, num_cols: int) -> torch.Tensor:
@@ -199,7 +199,7 @@ def _tiled_matmul(a: torch.Tensor, raw: torch.Tensor, qtype: QType, num_cols: in
     return torch.cat(tiles, dim=1)
 
 
-def expert_ffn_torch(
+def expert_ffn_tiled(
     x: torch.Tensor,
     token_ids: torch.Tensor,
     expert_ids: torch.Tensor,

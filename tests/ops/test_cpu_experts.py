@@ -20,7 +20,7 @@ from ops.cpu_experts import (
     benchmark_cpu_experts,
     expert_ffn_cpu,
     expert_ffn_reference,
-    expert_ffn_torch,
+    expert_ffn_tiled,
     load_native,
     native_available,
     random_expert_weights,
@@ -203,7 +203,7 @@ def test_torch_path_matches_reference(types: tuple[QType, QType, QType]) -> None
         pytest.skip(f"ops.quants cannot dequantize {missing}")
     w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=7)
     x, token_ids, expert_ids, weights = routing(seed=8)
-    out = expert_ffn_torch(x, token_ids, expert_ids, weights, w)
+    out = expert_ffn_tiled(x, token_ids, expert_ids, weights, w)
     assert rel_err(out, expert_ffn_reference(x, token_ids, expert_ids, weights, w)) < FLOAT_RTOL
 
 
