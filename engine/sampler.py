@@ -78,8 +78,16 @@ def token_logprob(logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogp
     return TokenLogprob(token, float(logprobs[token]), top)
 
 
+def _is_plain_greedy(state: SamplingState) -> bool:
+    p = state.params
+    return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty)
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits `[rows, vocab]` float32, one state per row -> a token per row and its logprobs if asked."""
+    if all(_is_plain_greedy(s) for s in states):  # the common decode batch: one argmax, one sync
+        return logits.argmax(-1).tolist(), [None] * len(states)
     tokens: list[int] = []
     logprobs: list[TokenLogprob | None] = []
     for row, state in zip(logits, states):

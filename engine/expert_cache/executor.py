@@ -143,8 +143,10 @@ class ExpertCache:
 
     def _account(self, records: list[LayerRecord], num_tokens: int) -> None:
         # NOTE: one device -> host copy for the whole step, after it was computed.
-        rows = torch.cat([torch.stack([r.expert_ids, r.slots, r.on_device]) for r in records], dim=1).cpu().numpy()
-        layers = np.repeat([r.layer for r in records], [r.expert_ids.numel() for r in records])
+        flat = torch.cat([t for r in records for t in (r.expert_ids, r.slots, r.on_device)]).cpu().numpy()
+        sizes = [r.expert_ids.numel() for r in records]
+        rows = np.concatenate([part.reshape(3, -1) for part in np.split(flat, np.cumsum(sizes)[:-1] * 3)], axis=1)
+        layers = np.repeat([r.layer for r in records], sizes)
         valid = rows[0] >= 0  # padding rows of a captured batch route nowhere
         self._count_usage(layers[valid], rows[0][valid])
         records = [r for r in records if not r.resident]
