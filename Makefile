@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# The embedded model with its experts in host RAM behind a small cache, so the cache view has work to show.
+RUN_ARGS ?= --cpu-moe --moe-cache-mib 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -16,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/moecache serve
+	$(BIN)/moecache serve $(RUN_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
