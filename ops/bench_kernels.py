@@ -24,6 +24,7 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops import quants
+from ops.cpu_experts import ExpertWeights
 from ops.expert_ffn import expert_ffn_torch
 from ops.triton import ExpertTables, LaunchConfig, grouped_expert_ffn, tables_from_bank
 from ops.triton.combine import launch_combine
@@ -37,20 +38,6 @@ from ops.triton.tables import QType
 HIDDEN, FF, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
 ROUTINGS = 16  # calls per graph, each on its own routing
 REPLAYS = 15
-
-
-@dataclass(frozen=True)
-class Bank:
-    """An expert bank (`ops.triton.ExpertBank`) on the GPU or in pinned host memory."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-    gate_type: QType
-    up_type: QType
-    down_type: QType
-    hidden: int
-    ff: int
 
 
 @dataclass(frozen=True)
@@ -114,15 +101,15 @@ def read_gbps(buffer: torch.Tensor) -> float:
 # --- layers -----------------------------------------------------------------------------------------
 
 
-def random_bank(types: tuple[QType, QType, QType], generator: torch.Generator, pinned: bool) -> Bank:
+def random_bank(types: tuple[QType, QType, QType], generator: torch.Generator, pinned: bool) -> ExpertWeights:
     def projection(qtype: QType, rows: int, cols: int) -> torch.Tensor:
         blocks = cols // quants.format_of(qtype).block_size
         t = quants.random_blocks(qtype, NUM_EXPERTS * rows * blocks, generator).view(NUM_EXPERTS, rows, -1)
         return t.cpu().pin_memory() if pinned else t
 
     gate_type, up_type, down_type = types
-    return Bank(projection(gate_type, FF, HIDDEN), projection(up_type, FF, HIDDEN), projection(down_type, HIDDEN, FF),
-                gate_type, up_type, down_type, HIDDEN, FF)
+    return ExpertWeights(projection(gate_type, FF, HIDDEN), projection(up_type, FF, HIDDEN),
+                         projection(down_type, HIDDEN, FF), gate_type, up_type, down_type, HIDDEN, FF)
 
 
 def routings(batch: int, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -162,7 +149,7 @@ def _layer_call(x: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor, torch.
     return lambda: grouped_expert_ffn(x, token_ids, expert_ids, weights, tables, config=config)
 
 
-def measure(name: str, bank: Bank, batch: int, ceiling_gbps: float, generator: torch.Generator,
+def measure(name: str, bank: ExpertWeights, batch: int, ceiling_gbps: float, generator: torch.Generator,
             config: LaunchConfig = DEFAULT_CONFIG) -> Result:
     tables = tables_from_bank(bank, torch.device("cuda"))
     xs = [torch.randn(batch, HIDDEN, generator=generator, device="cuda").bfloat16() for _ in range(ROUTINGS)]
@@ -173,7 +160,7 @@ def measure(name: str, bank: Bank, batch: int, ceiling_gbps: float, generator: t
     return Result(name, batch, us_graph, us_eager, mb, gbps, 100 * gbps / ceiling_gbps)
 
 
-def stages(bank: Bank, generator: torch.Generator) -> dict[str, float]:
+def stages(bank: ExpertWeights, generator: torch.Generator) -> dict[str, float]:
     """us per call of each launch of a batch-1 call (CUDA graphs of ROUTINGS calls)."""
     tables = tables_from_bank(bank, torch.device("cuda"))
     route = routings(1, generator)
@@ -193,7 +180,7 @@ def stages(bank: Bank, generator: torch.Generator) -> dict[str, float]:
     return {name: time_calls([functools.partial(launch, r) for r in route])[0] for name, launch in launches.items()}
 
 
-def torch_reference(bank: Bank, batch: int, generator: torch.Generator) -> Result:
+def torch_reference(bank: ExpertWeights, batch: int, generator: torch.Generator) -> Result:
     tables: ExpertTables = tables_from_bank(bank, torch.device("cuda"))
     x = torch.randn(batch, HIDDEN, generator=generator, device="cuda").bfloat16()
     token_ids, expert_ids, weights = routings(batch, generator)[0]
@@ -205,7 +192,7 @@ def torch_reference(bank: Bank, batch: int, generator: torch.Generator) -> Resul
 # --- the run ----------------------------------------------------------------------------------------
 
 
-def sweep(bank: Bank, hbm: float, generator: torch.Generator) -> list[dict[str, object]]:
+def sweep(bank: ExpertWeights, hbm: float, generator: torch.Generator) -> list[dict[str, object]]:
     """Block shapes for Q4_K in VRAM: rows per program at batch 1, pairs per pass at batch 8 and 32."""
     rows = [(1, LaunchConfig(gate_up_rows=g, down_rows=d)) for g in (16, 32) for d in (16, 32, 64)]
     tokens = [(batch, LaunchConfig(block_tokens=t)) for batch in (8, 32) for t in (1, 2, 4)]

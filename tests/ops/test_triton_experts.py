@@ -49,20 +49,6 @@ HERE = Path(__file__).resolve()
 
 
 @dataclass(frozen=True)
-class DeviceBank:
-    """An `ExpertBank` on any device (ExpertWeights holds CPU tensors only)."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-    gate_type: QType
-    up_type: QType
-    down_type: QType
-    hidden: int
-    ff: int
-
-
-@dataclass(frozen=True)
 class Case:
     types: tuple[QType, QType, QType]
     num_tokens: int
@@ -87,12 +73,12 @@ def random_bank(case: Case, generator: torch.Generator) -> ExpertWeights:
         projection(down_type, case.hidden, case.ff), gate_type, up_type, down_type, case.hidden, case.ff)
 
 
-def on_device(bank: ExpertWeights, device: torch.device, pin: bool = False) -> DeviceBank:
+def on_device(bank: ExpertWeights, device: torch.device, pin: bool = False) -> ExpertWeights:
     def move(t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if pin else t.to(device)
 
-    return DeviceBank(move(bank.gate), move(bank.up), move(bank.down), bank.gate_type, bank.up_type,
-                      bank.down_type, bank.hidden, bank.ff)
+    return ExpertWeights(move(bank.gate), move(bank.up), move(bank.down), bank.gate_type, bank.up_type,
+                         bank.down_type, bank.hidden, bank.ff)
 
 
 def random_routing(case: Case, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,12 +4,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,6 +22,7 @@ from service.server import ServeOptions
 ROOT = Path(__file__).resolve().parents[2]
 HTTP_TESTS = Path(__file__).resolve().parent / "http"
 sys.path.insert(0, str(HTTP_TESTS))
+from http_servers import ServeProcess as HttpServeProcess  # noqa: E402
 from http_servers import ServerThread, engine_config, greedy  # noqa: E402
 
 __all__ = ["ROOT", "ServeProcess", "ServerThread", "engine_config", "greedy", "grpc_options", "grpc_target",
@@ -50,37 +48,11 @@ def grpc_target(srv: ServerThread) -> str:
     return f"127.0.0.1:{srv.server.grpc.port}"
 
 
-class ServeProcess:
-    """`python -m service.cli serve` on free ports with a job store; stderr collected by a thread."""
+class ServeProcess(HttpServeProcess):
+    """`moecache serve` as a subprocess with a job store."""
 
     def __init__(self, model: Path, jobs_db: str, *args: str) -> None:
-        cmd = [sys.executable, "-m", "service.cli", "serve", "-m", str(model), "--port", "0", "--grpc-port", "0",
-               "--ctx-size", "256", "--device", "cpu", "--jobs-db", jobs_db, *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.lines: list[str] = []
-        self.port = self.grpc_port = 0
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if match := re.search(r"listening on http://127\.0\.0\.1:(\d+)", line):
-                self.port = int(match.group(1))
-            if match := re.search(r"gRPC listening on 127\.0\.0\.1:(\d+)", line):
-                self.grpc_port = int(match.group(1))
-            if "ready: model" in line:
-                self._ready.set()
-
-    def wait_ready(self, timeout: float = 60) -> ServeProcess:
-        if not self._ready.wait(timeout):
-            raise AssertionError("the server did not become ready:\n" + "".join(self.lines))
-        return self
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        super().__init__(model, "--jobs-db", jobs_db, *args)
 
     @property
     def worker_id(self) -> str:
@@ -94,8 +66,6 @@ class ServeProcess:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
-    def log(self) -> str:
-        return "".join(self.lines)
 
 
 async def on_server(srv: ServerThread, coro: Awaitable[Any]) -> Any:

@@ -1,10 +1,15 @@
 """Helpers of the HTTP tests: a real `Server` on a loopback port run by its own event loop in a
-background thread, the engine config of the tests, and SSE reading."""
+background thread, `moecache serve` as a real subprocess, the engine config of the tests, and SSE
+reading."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -19,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from service.server import ServeOptions, Server
 
 MODEL = "tiny"
+ROOT = Path(__file__).resolve().parents[3]
 Progress = Callable[[str, int, int], None]
 
 
@@ -96,3 +102,39 @@ async def read_events(response: aiohttp.ClientResponse) -> list[Any]:
 def greedy(max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
     """Request fields for a deterministic run of exactly `max_tokens` tokens."""
     return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+
+
+class ServeProcess:
+    """`python -m service.cli serve` on free HTTP and gRPC ports; stderr collected by a thread."""
+
+    def __init__(self, model: Path, *args: str) -> None:
+        cmd = [sys.executable, "-m", "service.cli", "serve", "-m", str(model), "--port", "0", "--grpc-port", "0",
+               "--ctx-size", "256", "--device", "cpu", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self.port = self.grpc_port = 0
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if match := re.search(r"listening on http://127\.0\.0\.1:(\d+)", line):
+                self.port = int(match.group(1))
+            if match := re.search(r"gRPC listening on 127\.0\.0\.1:(\d+)", line):
+                self.grpc_port = int(match.group(1))
+            if "ready: model" in line:
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 60) -> ServeProcess:
+        if not self._ready.wait(timeout):
+            raise AssertionError("the server did not become ready:\n" + "".join(self.lines))
+        return self
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def log(self) -> str:
+        return "".join(self.lines)

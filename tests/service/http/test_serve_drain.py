@@ -4,55 +4,21 @@ its last chunk and `[DONE]`), the engine closes with its cache summary, and the 
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from http_servers import greedy, read_events
+from http_servers import ServeProcess, greedy, read_events
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-class ServeProcess:
-    """`python -m service.cli serve` on port 0; stderr is collected line by line in a thread."""
-
-    def __init__(self, model: Path, *args: str) -> None:
-        cmd = [sys.executable, "-m", "service.cli", "serve", "-m", str(model), "--port", "0", "--ctx-size", "256",
-               "--device", "cpu", "--max-num-seqs", "4", *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        self.port = 0
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if match := re.search(r"listening on http://127\.0\.0\.1:(\d+)", line):
-                self.port = int(match.group(1))
-            if "ready: model" in line:
-                self._ready.set()
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        if not self._ready.wait(timeout):
-            raise AssertionError("the server did not become ready:\n" + "".join(self.lines))
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-
 @pytest.fixture
-def serve_process(tiny_gguf: Path) -> Iterator[ServeProcess]:
-    process = ServeProcess(tiny_gguf, "--shutdown-timeout", "1")
+def serve_process(tiny_gguf: Path, tmp_path: Path) -> Iterator[ServeProcess]:
+    process = ServeProcess(tiny_gguf, "--max-num-seqs", "4", "--shutdown-timeout", "1",
+                           "--jobs-db", f"sqlite:///{tmp_path / 'jobs.db'}")
     yield process
     if process.proc.poll() is None:
         process.proc.kill()
@@ -88,5 +54,5 @@ async def test_sigterm_drains_the_stream_and_exits_zero(serve_process: ServeProc
     assert events[-2]["choices"][0]["finish_reason"] in ("abort", "length")
     assert not any(e["choices"][0]["finish_reason"] for e in events[:-2])
     assert await asyncio.to_thread(serve_process.proc.wait, 30) == 0
-    log = "".join(serve_process.lines)
+    log = serve_process.log()
     assert "experts:" in log and "expert cache, batches" in log and "stopped" in log
