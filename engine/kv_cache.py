@@ -29,9 +29,9 @@ class KVCache:
         self.k[layer][slot_ids, :, positions] = k
         self.v[layer][slot_ids, :, positions] = v
 
-    def gather(self, layer: int, slot_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `length` positions of several slots: `[seqs, kv_heads, length, head_dim]`."""
-        return self.k[layer][slot_ids, :, :length], self.v[layer][slot_ids, :, :length]
+    def window(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` positions of every slot (views): `[slots, kv_heads, length, head_dim]`."""
+        return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
 
     def sequence(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One slot's first `length` positions (a view): `[kv_heads, length, head_dim]`."""

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_cache import KVCache
-from engine.layers import rms_norm, swiglu
+from engine.layers import swiglu
 from engine.moe import ExpertExecutor, moe_forward
 from engine.weights import Attention, DenseFFN, ModelWeights
+from ops.fused import add_rms_norm, decode_attention, qk_norm_rope, rms_norm
 
 
 @dataclass(frozen=True)
@@ -54,31 +55,17 @@ class ForwardBatch:
         return all(s.num_tokens == 1 for s in self.spans)
 
 
-class Rope:
-    def __init__(self, head_dim: int, theta: float, scale: float, style: str, device: torch.device) -> None:
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-        self.inv_freq = 1.0 / (theta ** exponents) / scale  # [head_dim / 2]
-        self.style = style
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [tokens, head_dim / 2]
-        return angles.cos(), angles.sin()
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]."""
-        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-        if self.style == "neox":
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+def rope_frequencies(head_dim: int, theta: float, scale: float, device: torch.device) -> torch.Tensor:
+    """Rotary inverse frequencies `[head_dim / 2]` (float32), linear position scaling folded in."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta ** exponents) / scale
 
 
 class Model:
     def __init__(self, weights: ModelWeights, experts: ExpertExecutor) -> None:
         self.w, self.hp, self.arch, self.experts = weights, weights.hparams, weights.arch, experts
         hp = self.hp
-        self.rope = Rope(hp.head_dim, hp.rope_theta, hp.rope_scale, self.arch.rope_style, weights.embed.device)
+        self.inv_freq = rope_frequencies(hp.head_dim, hp.rope_theta, hp.rope_scale, weights.embed.device)
         self.scale = hp.head_dim ** -0.5
 
     @property
@@ -95,24 +82,27 @@ class Model:
 
         `routing` (`[num_moe_layers, tokens, top_k]`) replaces the routers' choice of experts.
         """
+        eps, layers = self.hp.rms_eps, self.w.layers
         x = self.w.embed[batch.input_ids]  # [tokens, hidden]
-        cos, sin = self.rope.tables(batch.positions)
+        h = rms_norm(x, layers[0].attn_norm, eps)
         moe_index = 0
-        for i, layer in enumerate(self.w.layers):
-            h = rms_norm(x, layer.attn_norm, self.hp.rms_eps)
-            x = x + self.attention(i, layer.attn, h, batch, kv, cos, sin)
-            h = rms_norm(x, layer.ffn_norm, self.hp.rms_eps)
+        for i, layer in enumerate(layers):
+            # NOTE: each residual add is fused with the norm that follows it
+            x, h = add_rms_norm(x, self.attention(i, layer.attn, h, batch, kv), layer.ffn_norm, eps)
             if isinstance(layer.ffn, DenseFFN):
-                x = x + swiglu(h, layer.ffn)
-                continue
-            routed = routing[moe_index] if routing is not None else None
-            x = x + moe_forward(i, h, layer.ffn, self.hp, self.experts, routed, batch.token_mask)
-            moe_index += 1
-        x = rms_norm(x[batch.logit_rows], self.w.norm, self.hp.rms_eps)
+                out = swiglu(h, layer.ffn)
+            else:
+                routed = routing[moe_index] if routing is not None else None
+                out = moe_forward(i, h, layer.ffn, self.hp, self.experts, routed, batch.token_mask)
+                moe_index += 1
+            if i + 1 < len(layers):
+                x, h = add_rms_norm(x, out, layers[i + 1].attn_norm, eps)
+            else:
+                x = x + out
+        x = rms_norm(x[batch.logit_rows], self.w.norm, eps)
         return F.linear(x, self.w.output).float()
 
-    def attention(self, i: int, a: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention(self, i: int, a: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         hp, n = self.hp, x.shape[0]
         q, k, v = F.linear(x, a.q, a.q_bias), F.linear(x, a.k, a.k_bias), F.linear(x, a.v, a.v_bias)
         if self.arch.qk_norm == "full":
@@ -120,21 +110,18 @@ class Model:
         q = q.view(n, hp.num_heads, hp.head_dim)
         k = k.view(n, hp.num_kv_heads, hp.head_dim)
         v = v.view(n, hp.num_kv_heads, hp.head_dim)
-        if self.arch.qk_norm == "head":
-            q, k = rms_norm(q, a.q_norm, hp.rms_eps), rms_norm(k, a.k_norm, hp.rms_eps)
-        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        per_head = self.arch.qk_norm == "head"
+        style, positions = self.arch.rope_style, batch.positions
+        q = qk_norm_rope(q, a.q_norm if per_head else None, positions, self.inv_freq, style, hp.rms_eps)
+        k = qk_norm_rope(k, a.k_norm if per_head else None, positions, self.inv_freq, style, hp.rms_eps)
         kv.write(i, batch.slot_ids, batch.positions, k, v)
         attend = self.decode_attention if batch.is_decode else self.prefill_attention
         out = attend(i, q, batch, kv)  # [tokens, heads, head_dim]
         return F.linear(out.reshape(n, -1), a.o)
 
     def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        length = batch.kv_length
-        keys, values = kv.gather(i, batch.slot_ids, length)  # [seqs, kv_heads, length, head_dim]
-        mask = torch.arange(length, device=q.device)[None, :] <= batch.positions[:, None]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],
-                                             scale=self.scale, enable_gqa=True)
-        return out[:, :, 0, :]
+        keys, values = kv.window(i, batch.kv_length)  # [slots, kv_heads, kv_length, head_dim] views
+        return decode_attention(q, keys, values, batch.slot_ids, batch.positions, self.scale)
 
     def prefill_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         outs, row = [], 0

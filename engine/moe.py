@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.arch import HParams
-from engine.arch.base import route, weights_for
 from engine.layers import swiglu
 from engine.weights import MoE
 from ops.cpu_experts import ExpertWeights
 from ops.expert_ffn import expert_ffn_torch
+from ops.fused import route_topk, routed_weights
 
 
 class ExpertExecutor(Protocol):
@@ -27,13 +27,11 @@ class ExpertExecutor(Protocol):
 def moe_forward(layer: int, x: torch.Tensor, w: MoE, hp: HParams, experts: ExpertExecutor,
                 routed_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     logits = F.linear(x, w.router)  # [tokens, experts]
+    # NOTE: padding rows of a captured batch (token_mask False) select no expert (id -1)
     if routed_ids is None:
-        expert_ids, weights = route(logits, hp)
+        expert_ids, weights = route_topk(logits, hp.top_k, hp.norm_topk, token_mask)
     else:
-        expert_ids = routed_ids.to(x.device, torch.int64)
-        weights = weights_for(logits, expert_ids, hp)
-    if token_mask is not None:  # padding rows of a captured batch select no expert
-        expert_ids = torch.where(token_mask[:, None], expert_ids, -1)
+        expert_ids, weights = routed_weights(logits, routed_ids.to(x.device), hp.norm_topk, token_mask)
     out = experts(layer, x, expert_ids, weights)
     if w.shared is not None:
         gate = torch.sigmoid(x @ w.shared_gate)[:, None]  # [tokens, 1]

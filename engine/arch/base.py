@@ -6,8 +6,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
 
 @dataclass(frozen=True)
 class HParams:
@@ -125,21 +123,3 @@ class ArchSpec:
             md[k("rope.scaling.type")] = "linear"
             md[k("rope.scaling.factor")] = hp.rope_scale
         return md
-
-
-
-def route(logits: torch.Tensor, hp: HParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits `[tokens, experts]` -> expert ids and float32 weights `[tokens, top_k]`:
-    softmax over all experts, top-k, optionally renormalised."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, expert_ids = torch.topk(probs, hp.top_k, dim=-1)
-    return expert_ids, _normalize(weights, hp.norm_topk)
-
-
-def weights_for(logits: torch.Tensor, expert_ids: torch.Tensor, hp: HParams) -> torch.Tensor:
-    """Routing weights for given expert ids (a routing trace replacing the router's choice)."""
-    return _normalize(torch.softmax(logits.float(), dim=-1).gather(-1, expert_ids), hp.norm_topk)
-
-
-def _normalize(weights: torch.Tensor, norm_topk: bool) -> torch.Tensor:
-    return weights / weights.sum(dim=-1, keepdim=True) if norm_topk else weights

@@ -33,7 +33,7 @@ class BankCompute:
         return expert_ffn(x, tokens, experts, weights, self.resident[layer])
 
     def ffn(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor,
-            weights: torch.Tensor, stage: bool = False) -> torch.Tensor | None:
+            weights: torch.Tensor) -> torch.Tensor | None:
         """Pairs with expert id >= 0: from their slot when cached, else staged from host memory."""
         pool = self.pools.get(self.group_of[layer])
         out = None
@@ -79,29 +79,9 @@ class TableCompute:
         return self.grouped_ffn(x, tokens, experts, weights, self.resident[layer])
 
     def ffn(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor,
-            weights: torch.Tensor, stage: bool = False) -> torch.Tensor:
-        """Pairs with expert id >= 0, through the layer's table. `stage` (large batches, where many
-        programs read each expert): upload the missed experts to VRAM once instead of reading host
-        memory again and again."""
-        tables = self._staged_tables(layer, experts, slots) if stage else self.tables[layer]
-        return self.grouped_ffn(x, tokens, experts, weights, tables)
-
-    def _staged_tables(self, layer: int, experts: torch.Tensor, slots: torch.Tensor) -> ExpertTables:
-        missed = experts[(experts >= 0) & (slots < 0)].unique().cpu()
-        host, tables = self.host[layer], _copy_tables(self.tables[layer])
-        if missed.numel() == 0:
-            return tables
-        # NOTE: the staging bank and tables may be freed once the launch is queued: the allocator
-        # reuses memory in stream order, after the kernel that reads it through raw pointers.
-        bank = empty_bank(host, len(missed), tables.device)
-        for row, expert in enumerate(missed.tolist()):
-            for dst, src in zip(expert_parts(bank, row), expert_parts(host, expert)):
-                dst.copy_(src, non_blocking=True)
-        index = missed.to(tables.device)
-        for part, ptrs in (("gate", tables.gate_ptrs), ("up", tables.up_ptrs), ("down", tables.down_ptrs)):
-            rows = torch.tensor([_row_address(getattr(bank, part), r) for r in range(len(missed))])
-            ptrs[index] = rows.to(ptrs.device)
-        return tables
+            weights: torch.Tensor) -> torch.Tensor:
+        """Pairs with expert id >= 0, through the layer's table (slots and host memory alike)."""
+        return self.grouped_ffn(x, tokens, experts, weights, self.tables[layer])
 
     def update(self, entries: list[tuple[int, int, int]]) -> None:
         """(layer, expert, slot or -1): point each expert at its slot, or back at host memory."""

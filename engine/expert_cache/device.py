@@ -37,6 +37,19 @@ class CopyEngine:
             return CopyHandle(event=event)
         return CopyHandle(future=self.thread.submit(_copy_all, pairs))
 
+    def upload(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+               after: torch.cuda.Event | None) -> torch.cuda.Event:
+        """CUDA only: copy each (dst, src) once `after` has happened (not after the whole compute
+        stream, as `copy` waits): staging buffers wait only for their last reader."""
+        if after is not None:
+            self.stream.wait_event(after)
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
     def close(self) -> None:
         if self.device.type != "cuda":
             self.thread.shutdown(wait=True)

@@ -21,11 +21,13 @@ from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
 from engine.expert_cache.policy import CachePolicy, PolicyConfig, Promotion, make_policy
 from engine.expert_cache.profile import Profile
 from engine.expert_cache.split import MissSplit, measure_split
+from engine.expert_cache.staging import LayerStager
 from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot
 from engine.expert_cache.store import ExpertStore
 from engine.moe import flatten_pairs
 from engine.weights import expert_bytes
 from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
+from ops.grouped_gemm import CHUNK_BYTES, grouped_gemm_available, grouped_gemm_ffn
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,9 @@ class ExpertCache:
         self.policies: dict[int, CachePolicy] = {
             gid: make_policy(cfg.policy, self.groups[gid], pc, profile) for gid in self.pools}
         self.copies = CopyEngine(device)
+        # large batches on tensor cores (CUDA): host layers staged whole, double-buffered
+        self.stager = LayerStager(host, self.pools, self.group_of, self.table, self.copies) \
+            if isinstance(self.compute, TableCompute) and grouped_gemm_available(device) else None
         self.cpu = ThreadPoolExecutor(1, thread_name_prefix="moecache-cpu-experts")
         self.cpu_threads = cfg.cpu_threads or default_cpu_threads(device)
 
@@ -86,6 +91,8 @@ class ExpertCache:
         if self.recording:
             self._routed.append(expert_ids)
         self._step_tokens = x.shape[0]
+        if x.shape[0] > self.cfg.max_cached_batch and self.stager is not None:
+            return self._prefill(layer, x, expert_ids, weights, experts)
         if layer in self.resident:
             self._records.append(LayerRecord(layer, experts, experts, experts, resident=True))
             return self.compute.resident_ffn(layer, x, tokens, experts, pair_weights).to(x.dtype)
@@ -94,9 +101,22 @@ class ExpertCache:
         on_device, cpu = self._split(layer, x, tokens, experts, slots, pair_weights)
         self._records.append(LayerRecord(layer, experts, slots, on_device))
         # NOTE: exactly once: the device computes the pairs in `on_device`, the CPU the others, at once.
-        out = self.compute.ffn(layer, x, tokens, on_device, slots, pair_weights,
-                               stage=x.shape[0] > self.cfg.max_cached_batch)
+        out = self.compute.ffn(layer, x, tokens, on_device, slots, pair_weights)
         return _sum(out, cpu.result() if cpu is not None else None).to(x.dtype)
+
+    def _prefill(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                 experts: torch.Tensor) -> torch.Tensor:
+        """A large batch: the layer's experts resident or staged whole in VRAM, one grouped GEMM per
+        projection. The cache is read (staging copies cached experts from their slots), never changed."""
+        if layer in self.resident:
+            self._records.append(LayerRecord(layer, experts, experts, experts, resident=True))
+            return grouped_gemm_ffn(x, expert_ids, weights, self.resident[layer]).to(x.dtype)
+        slots = self.table.lookup(layer, experts)
+        self._records.append(LayerRecord(layer, experts, slots, experts))
+        bank = self.stager.bank(layer)
+        out = grouped_gemm_ffn(x, expert_ids, weights, bank)
+        self.stager.release(bank)
+        return out.to(x.dtype)
 
     def _split(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
                slots: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, _CpuPart | None]:
@@ -139,6 +159,8 @@ class ExpertCache:
         if self._routed:
             self.last_routing = torch.stack(self._routed).cpu().numpy()
         self._records, self._routed = [], []
+        if self.stager is not None:
+            self.stager.discard()
         self._publish_done()
 
     def _account(self, records: list[LayerRecord], num_tokens: int) -> None:
@@ -279,6 +301,8 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, reserved_bytes: int
     """Place the experts, plan the cache for the budget, and set up the executor over `store`."""
     hp, device = store.hparams, store.device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    if device.type == "cuda":  # prefill: two staged layers and the dequantized chunk
+        reserved_bytes += 2 * max(store.layer_bytes().values(), default=0) + CHUNK_BYTES
     placement = choose_placement(store.layer_bytes(), cfg, free, reserved_bytes)
     layers = [LayerExperts(i, hp.num_experts, hp.top_k, store.expert_bytes(i), _type_key(store.mapped[i]))
               for i in placement.host_layers]

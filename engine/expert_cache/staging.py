@@ -1,0 +1,81 @@
+"""Prefill's expert staging (CUDA): a large batch uses nearly every expert of a layer, so each host layer
+is copied whole into one of two VRAM buffers on the copy stream, the next layer's copy running while
+the current layer computes (double buffering). Cached experts come from their slots (device to
+device); the rest from pinned host memory, in runs of consecutive experts (one copy per run and part).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from engine.expert_cache.device import CopyEngine, SlotTable, empty_bank, expert_parts
+from ops.cpu_experts import ExpertWeights
+
+
+class LayerStager:
+    def __init__(self, host: Mapping[int, ExpertWeights], pools: Mapping[int, ExpertWeights],
+                 group_of: Mapping[int, int], table: SlotTable, copies: CopyEngine) -> None:
+        self.host, self.pools, self.group_of, self.table, self.copies = host, pools, group_of, table, copies
+        self.order = sorted(host)
+        self.buffers: dict[tuple, list[ExpertWeights]] = {}  # bank shape -> its two buffers
+        self.turn: dict[tuple, int] = {}
+        self.free: dict[int, torch.cuda.Event] = {}  # id(buffer) -> recorded after its last reader
+        self.ready: dict[int, tuple[ExpertWeights, torch.cuda.Event]] = {}  # layer -> (buffer, copied)
+
+    @staticmethod
+    def bytes_needed(host: Mapping[int, ExpertWeights]) -> int:
+        """Two buffers of the largest layer (VRAM to keep free for prefill)."""
+        return 2 * max((b.gate.nbytes + b.up.nbytes + b.down.nbytes for b in host.values()), default=0)
+
+    def bank(self, layer: int) -> ExpertWeights:
+        """The layer's experts in VRAM, ready for the compute stream; starts copying the next host layer."""
+        if layer not in self.ready:
+            self._upload(layer)
+        index = self.order.index(layer)
+        if index + 1 < len(self.order) and self.order[index + 1] not in self.ready:
+            self._upload(self.order[index + 1])
+        buffer, copied = self.ready.pop(layer)
+        torch.cuda.current_stream(buffer.gate.device).wait_event(copied)
+        return buffer
+
+    def release(self, buffer: ExpertWeights) -> None:
+        """The compute stream has queued its last read of `buffer`: it may be refilled after that."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(buffer.gate.device))
+        self.free[id(buffer)] = event
+
+    def discard(self) -> None:
+        """Forget prefetched layers (the step ended before using them)."""
+        self.ready.clear()
+
+    def _upload(self, layer: int) -> None:
+        host = self.host[layer]
+        buffer = self._next_buffer(host)
+        pairs = []
+        for start, stop, slot in self._runs(layer):
+            src = self.pools[self.group_of[layer]] if slot >= 0 else host
+            first = slot if slot >= 0 else start
+            for dst_part, src_part in zip(expert_parts(buffer, slice(start, stop)),
+                                          expert_parts(src, slice(first, first + stop - start))):
+                pairs.append((dst_part, src_part))
+        self.ready[layer] = (buffer, self.copies.upload(pairs, after=self.free.pop(id(buffer), None)))
+
+    def _runs(self, layer: int) -> list[tuple[int, int, int]]:
+        """(start, stop, slot): runs of consecutive uncached experts (slot -1), single cached ones."""
+        slots = self.table.host[layer].tolist()[:self.host[layer].gate.shape[0]]
+        runs: list[tuple[int, int, int]] = []
+        for expert, slot in enumerate(slots):
+            if slot < 0 and runs and runs[-1][2] < 0 and runs[-1][1] == expert:
+                runs[-1] = (runs[-1][0], expert + 1, -1)
+            else:
+                runs.append((expert, expert + 1, slot))
+        return runs
+
+    def _next_buffer(self, like: ExpertWeights) -> ExpertWeights:
+        key = (like.gate_type, like.up_type, like.down_type, tuple(like.gate.shape), tuple(like.down.shape))
+        if key not in self.buffers:
+            self.buffers[key] = [empty_bank(like, like.gate.shape[0], self.copies.device) for _ in range(2)]
+        self.turn[key] = 1 - self.turn.get(key, 1)
+        return self.buffers[key][self.turn[key]]

@@ -1,0 +1,71 @@
+"""Expert FFN for large batches (prefill) on tensor cores.
+
+A prompt of a few hundred tokens selects nearly every expert of a layer, many tokens each: matrix-
+matrix work, where dequantizing in the inner loop (the GEMV kernels) wastes the tensor cores. Here a
+bank's experts are dequantized to bf16 a chunk of experts at a time, the (token, expert) pairs are
+sorted by expert, and each projection is one grouped GEMM (`torch._grouped_mm`) over the chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ops import quants
+from ops.cpu_experts import ExpertWeights, QType
+
+CHUNK_BYTES = 256 << 20  # dequantized weights held at once
+
+
+def grouped_gemm_available(device: torch.device) -> bool:
+    """torch's grouped GEMM: on the CPU, and on CUDA from Hopper (sm90) on."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def grouped_gemm_ffn(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, bank: ExpertWeights,
+                     dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """x `[tokens, hidden]`, expert_ids and weights `[tokens, top_k]` (id -1: no expert; ids index the
+    bank's rows) -> float32 `[tokens, hidden]` = sum_k w * expert_k(x), matmuls in `dtype`."""
+    num_tokens, top_k = expert_ids.shape
+    num_experts = bank.gate.shape[0]
+    key = torch.where(expert_ids.flatten() >= 0, expert_ids.flatten(), num_experts)  # -1 sorts last
+    order = torch.argsort(key, stable=True)
+    ends = torch.bincount(key, minlength=num_experts + 1)[:num_experts].cumsum(0)
+    ends_host = ends.tolist()  # NOTE: one host sync per call: the chunks' row ranges
+    rows = x.to(dtype)[order[:ends_host[-1]] // top_k]  # [valid pairs, hidden], sorted by expert
+    y = torch.empty((rows.shape[0], bank.hidden), dtype=dtype, device=x.device)
+    per_chunk = max(1, chunk_bytes // (3 * bank.ff * bank.hidden * torch.empty((), dtype=dtype).element_size()))
+    for first in range(0, num_experts, per_chunk):
+        last = min(num_experts, first + per_chunk)
+        start, stop = ends_host[first - 1] if first else 0, ends_host[last - 1]
+        if stop > start:
+            offs = (ends[first:last] - start).to(torch.int32)
+            y[start:stop] = _chunk_ffn(rows[start:stop], offs, bank, first, last, dtype)
+    pairs = torch.zeros((num_tokens * top_k, bank.hidden), dtype=torch.float32, device=x.device)
+    pairs[order[:rows.shape[0]]] = y.float()
+    # NOTE: a fixed summation order (no atomics): the same prompt gives the same bits every run.
+    return (pairs.view(num_tokens, top_k, -1) * weights.float()[:, :, None]).sum(1)
+
+
+def _chunk_ffn(rows: torch.Tensor, offs: torch.Tensor, bank: ExpertWeights, first: int, last: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """rows `[pairs, hidden]` of experts first..last-1 in order, offs = their cumulative counts."""
+    gate = dequantize_experts(bank.gate[first:last], bank.gate_type, bank.hidden, dtype)  # [e, ff, hidden]
+    up = dequantize_experts(bank.up[first:last], bank.up_type, bank.hidden, dtype)
+    h = F.silu(torch._grouped_mm(rows, gate.transpose(1, 2), offs=offs))
+    h *= torch._grouped_mm(rows, up.transpose(1, 2), offs=offs)
+    del gate, up
+    down = dequantize_experts(bank.down[first:last], bank.down_type, bank.ff, dtype)  # [e, hidden, ff]
+    return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
+
+
+def dequantize_experts(raw: torch.Tensor, qtype: QType, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Raw expert rows `[experts, rows, row_bytes]` -> `[experts, rows, cols]` of `dtype`, on raw's device."""
+    if raw.is_cuda:
+        from ops.triton.dequant import dequantize_rows  # Triton: CUDA only
+
+        flat = dequantize_rows(raw.reshape(-1, raw.shape[-1]), qtype, cols, dtype=dtype)
+        return flat.view(*raw.shape[:-1], cols)
+    return quants.dequantize(raw, qtype, cols).to(dtype)

@@ -1,0 +1,234 @@
+"""Fused small kernels of a decode step: RMSNorm (with the residual add), q/k norm + rotary embedding,
+and router softmax + top-k + renormalisation, each one launch instead of 5-8 torch ops.
+
+Each launcher `f` has its torch reference `f_torch`, with the same signature, in ops/fused.py (the
+engine calls the dispatchers there). The kernels compute in float32 and round once to the input
+dtype, where the references round after several ops: float32 inputs agree to float32 rounding,
+bf16/fp16 to 1-2 ulps. The residual sum of `add_rms_norm` is rounded exactly as `x + update` is
+(same bits). No host sync and grids from shapes only: every launch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
+import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+from ops.fused import RopeStyle
+from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows, check_vector
+
+MAX_DIM = 16384  # one program holds a whole row
+MAX_EXPERTS = 1024
+MAX_TOP_K = 32
+
+
+def _num_warps(block: int) -> int:
+    # ~16 elements per thread; one warp reduces without shared memory (most decode rows are short)
+    return max(1, min(16, block // 512))
+
+
+# --- RMSNorm ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(x, x_stride, update, update_stride, weight, out, total, dim, eps,
+                     HAS_UPDATE: tl.constexpr, BLOCK: tl.constexpr):
+    # program (row); out and total are contiguous [rows, dim]
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < dim
+    v = tl.load(x + row * x_stride + cols, mask=in_row, other=0.0)
+    if HAS_UPDATE:
+        u = tl.load(update + row * update_stride + cols, mask=in_row, other=0.0)
+        v = (v.to(tl.float32) + u.to(tl.float32)).to(out.dtype.element_ty)  # the bits of `x + update`
+        tl.store(total + row * dim + cols, v, mask=in_row)
+    v = v.to(tl.float32)
+    scale = tl.rsqrt(tl.sum(v * v, axis=0) / dim + eps)
+    w = tl.load(weight + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(out + row * dim + cols, (v * scale * w).to(out.dtype.element_ty), mask=in_row)
+
+
+def _as_rows(name: str, x: torch.Tensor, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """x `[..., dim]` as a `[rows, dim]` view (never a copy: the caller's bytes are read in place)."""
+    check_device(name, x, device)
+    if x.dim() < 1 or x.shape[-1] != dim or x.dtype != dtype:
+        raise ValueError(f"{name}: expected [..., {dim}] of {dtype}, got {x.dtype} {tuple(x.shape)}")
+    try:
+        rows = x.view(-1, dim)
+    except RuntimeError as e:
+        raise ValueError(f"{name}: leading dimensions do not flatten without a copy, strides {x.stride()}") from e
+    check_rows(name, rows, (rows.shape[0], dim), (dtype,), device)
+    return rows
+
+
+def _launch_norm(x: torch.Tensor, update: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    device = x.device
+    check_device("x", x, device)
+    if x.dim() < 1 or x.dtype not in FLOAT_DTYPES or not 1 <= x.shape[-1] <= MAX_DIM:
+        raise ValueError(f"x: expected float [..., dim <= {MAX_DIM}], got {x.dtype} {tuple(x.shape)}")
+    dim = x.shape[-1]
+    check_vector("weight", weight, dim, (x.dtype,), device)
+    rows = _as_rows("x", x, dim, x.dtype, device)
+    updates = rows if update is None else _as_rows("update", update, dim, x.dtype, device)
+    if update is not None and update.shape != x.shape:
+        raise ValueError(f"update: expected the shape of x {tuple(x.shape)}, got {tuple(update.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=device)
+    total = out if update is None else torch.empty(x.shape, dtype=x.dtype, device=device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(dim)
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows.stride(0), updates, updates.stride(0), weight, out, total,
+                                           dim, float(eps), HAS_UPDATE=update is not None, BLOCK=block,
+                                           num_warps=_num_warps(block))
+    return total, out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x `[..., dim]` (rows contiguous), weight `[dim]` of x's dtype -> weight * x / rms(x), x's dtype.
+    A per-head norm is x `[tokens, heads, head_dim]` with weight `[head_dim]`."""
+    return _launch_norm(x, None, weight, eps)[1]
+
+
+def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + update, rms_norm(x + update)): the residual add and the next norm in one pass."""
+    return _launch_norm(x, update, weight, eps)
+
+
+# --- q/k norm + rotary embedding ----------------------------------------------------------------------
+
+
+@triton.jit
+def _qk_norm_rope_kernel(x, token_stride, head_stride, heads, weight, positions, inv_freq, out, half, eps,
+                         HAS_NORM: tl.constexpr, NEOX: tl.constexpr, BLOCK: tl.constexpr):
+    # program (token, head); out is contiguous [tokens, heads, 2 * half]
+    pid = tl.program_id(0)
+    token = pid // heads
+    i = tl.arange(0, BLOCK)
+    in_half = i < half
+    if NEOX:  # pairs (i, i + half)
+        first, second = i, i + half
+    else:  # pairs (2i, 2i + 1)
+        first, second = 2 * i, 2 * i + 1
+    src = x + token.to(tl.int64) * token_stride + (pid % heads).to(tl.int64) * head_stride
+    a = tl.load(src + first, mask=in_half, other=0.0).to(tl.float32)
+    b = tl.load(src + second, mask=in_half, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        scale = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * half) + eps)
+        a = a * scale * tl.load(weight + first, mask=in_half, other=0.0).to(tl.float32)
+        b = b * scale * tl.load(weight + second, mask=in_half, other=0.0).to(tl.float32)
+    # the engine's angles: positions.float() * inv_freq, one float32 rounding
+    angle = tl.load(positions + token).to(tl.float32) * tl.load(inv_freq + i, mask=in_half, other=0.0)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    dst = out + pid.to(tl.int64) * (2 * half)
+    tl.store(dst + first, (a * cos - b * sin).to(out.dtype.element_ty), mask=in_half)
+    tl.store(dst + second, (b * cos + a * sin).to(out.dtype.element_ty), mask=in_half)
+
+
+def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: torch.Tensor,
+                 inv_freq: torch.Tensor, style: RopeStyle, eps: float) -> torch.Tensor:
+    """x `[tokens, heads, head_dim]` (head_dim contiguous, any token/head strides) -> the same shape,
+    contiguous: optional per-head RMSNorm (norm_weight `[head_dim]` of x's dtype), then rotary embedding
+    at `positions` (int `[tokens]`) with `inv_freq` (float32 `[head_dim / 2]`), neox or normal pairs."""
+    device = x.device
+    check_device("x", x, device)
+    if x.dim() != 3 or x.dtype not in FLOAT_DTYPES or x.shape[2] % 2 or not 2 <= x.shape[2] <= MAX_DIM:
+        raise ValueError(f"x: expected float [tokens, heads, even head_dim], got {x.dtype} {tuple(x.shape)}")
+    tokens, heads, head_dim = x.shape
+    if x.stride(2) != 1:
+        raise ValueError(f"x: head_dim must be contiguous, got strides {x.stride()}")
+    if style not in ("neox", "normal"):
+        raise ValueError(f"style: expected 'neox' or 'normal', got {style!r}")
+    if norm_weight is not None:
+        check_vector("norm_weight", norm_weight, head_dim, (x.dtype,), device)
+    check_vector("positions", positions, tokens, INDEX_DTYPES, device)
+    check_vector("inv_freq", inv_freq, head_dim // 2, (torch.float32,), device)
+    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=device)
+    if tokens and heads:
+        block = triton.next_power_of_2(head_dim // 2)
+        _qk_norm_rope_kernel[(tokens * heads,)](
+            x, x.stride(0), x.stride(1), heads, x if norm_weight is None else norm_weight, positions, inv_freq,
+            out, head_dim // 2, float(eps), HAS_NORM=norm_weight is not None, NEOX=style == "neox", BLOCK=block,
+            num_warps=_num_warps(block))
+    return out
+
+
+# --- routing --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_kernel(logits, logits_stride, num_experts, given, given_stride, token_mask, ids_out, weights_out,
+                  GIVEN: tl.constexpr, NORM: tl.constexpr, HAS_MASK: tl.constexpr, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (token); ids_out, weights_out are contiguous [tokens, TOP_K]
+    token = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    row = logits + token * logits_stride
+    z = tl.load(row + e, mask=e < num_experts, other=-float("inf")).to(tl.float32)
+    top = tl.max(z, axis=0)
+    p = tl.exp(z - top)
+    total = tl.sum(p, axis=0)
+    k = tl.arange(0, BLOCK_K)
+    if GIVEN:  # the softmax at given ids; an id out of range gets id -1 and weight 0
+        ids = tl.load(given + token * given_stride + k, mask=k < TOP_K, other=-1).to(tl.int64)
+        ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1)
+        zk = tl.load(row + ids, mask=ids >= 0, other=-float("inf")).to(tl.float32)
+        w = tl.exp(zk - top) / total
+    else:  # top-k by repeated argmax (the lowest id on ties); taken and padding lanes drop below 0
+        work = tl.where(e < num_experts, p / total, -1.0)
+        ids = tl.full([BLOCK_K], -1, tl.int64)
+        w = tl.zeros([BLOCK_K], tl.float32)
+        for j in tl.static_range(TOP_K):
+            best, at = tl.max(work, axis=0, return_indices=True)
+            ids = tl.where(k == j, at.to(tl.int64), ids)
+            w = tl.where(k == j, best, w)
+            work = tl.where(e == at, -2.0, work)
+    if NORM:
+        w = w / tl.sum(w, axis=0)
+    if HAS_MASK:  # padding rows of a captured batch select no expert; their weights stay as computed
+        ids = tl.where(tl.load(token_mask + token) != 0, ids, -1)
+    tl.store(ids_out + token * TOP_K + k, ids, mask=k < TOP_K)
+    tl.store(weights_out + token * TOP_K + k, w, mask=k < TOP_K)
+
+
+def _launch_route(logits: torch.Tensor, top_k: int, given: torch.Tensor | None, norm_topk: bool,
+                  token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    device = logits.device
+    check_device("logits", logits, device)
+    if logits.dim() != 2 or not 1 <= logits.shape[1] <= MAX_EXPERTS:
+        raise ValueError(f"logits: expected [tokens, experts <= {MAX_EXPERTS}], got {tuple(logits.shape)}")
+    tokens, num_experts = logits.shape
+    check_rows("logits", logits, (tokens, num_experts), FLOAT_DTYPES, device)
+    if not 1 <= top_k <= min(num_experts, MAX_TOP_K):
+        raise ValueError(f"top_k: expected 1..{min(num_experts, MAX_TOP_K)}, got {top_k}")
+    if given is not None:
+        check_rows("expert_ids", given, (tokens, top_k), INDEX_DTYPES, device)
+    if token_mask is not None:
+        check_vector("token_mask", token_mask, tokens, (torch.bool,), device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=device)
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
+    if tokens:
+        block = triton.next_power_of_2(num_experts)
+        _route_kernel[(tokens,)](
+            logits, logits.stride(0), num_experts, ids if given is None else given,
+            top_k if given is None else given.stride(0), ids if token_mask is None else token_mask, ids, weights,
+            GIVEN=given is not None, NORM=bool(norm_topk), HAS_MASK=token_mask is not None, TOP_K=top_k,
+            BLOCK_E=block, BLOCK_K=triton.next_power_of_2(top_k), num_warps=_num_warps(block))
+    return ids, weights
+
+
+def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool,
+               token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits `[tokens, experts]` (float, rows contiguous) -> (expert ids int64, float32 weights)
+    `[tokens, top_k]`: softmax over all experts, top-k in descending weight order, optionally
+    renormalised to sum 1; rows where token_mask (bool `[tokens]`) is False get ids -1."""
+    return _launch_route(logits, top_k, None, norm_topk, token_mask)
+
+
+def routed_weights(logits: torch.Tensor, expert_ids: torch.Tensor, norm_topk: bool,
+                   token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same for given expert ids `[tokens, top_k]` (int32/int64; a routing trace): the softmax at
+    those ids. Ids out of range (e.g. -1) get id -1 and weight 0, and are left out of the renormalisation."""
+    if expert_ids.dim() != 2:
+        raise ValueError(f"expert_ids: expected [tokens, top_k], got {tuple(expert_ids.shape)}")
+    return _launch_route(logits, expert_ids.shape[1], expert_ids, norm_topk, token_mask)

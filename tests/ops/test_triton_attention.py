@@ -1,0 +1,240 @@
+"""The Triton decode attention (`ops.triton.attention`) against the torch reference `decode_attention_torch`.
+
+Fresh random inputs every run: positions anywhere in the cache (0 and max_len - 1 included),
+shuffled slots that several tokens may share, one split or many. On CUDA the memory the launcher's
+buffers come from is poisoned with NaN first (an unwritten output or a read of an unwritten
+partial would surface as NaN).
+
+The CUDA tests carry `@pytest.mark.gpu`. Without CUDA, the same checks run on tiny shapes under
+Triton's interpreter in a subprocess (TRITON_INTERPRET=1 must be set before Triton compiles
+anything, and must not reach the other tests of this process).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the GPU attention kernels need it")
+
+from ops.triton.attention import decode_attention, decode_attention_torch, default_num_splits  # noqa: E402
+
+# |out - ref| <= ATOL + RTOL * |ref| elementwise, ref in the same dtype. float32: the kernels use
+# ieee float32 dots, so only summation order and exp2 differ (measured ~4e-7). 16-bit: both outputs
+# are rounded to the dtype (1 ulp apart at most: 2^-7 relative for bf16) and the kernel rounds the
+# probabilities to the dtype before P @ V, as flash attention does. A wrong head, slot, position
+# or split weight gives errors of order 0.1 to 1.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+HERE = Path(__file__).resolve()
+
+
+@dataclass(frozen=True)
+class Case:
+    num_tokens: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    max_len: int = 1024
+    num_slots: int = 6
+    num_splits: int | None = None  # None: the launcher's default
+    view_len: int | None = None  # pass a view of the first view_len positions of the cache
+
+
+def random_inputs(case: Case, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """q, k_cache, v_cache, slot_ids, positions (CPU): positions include 0 and the last one, a slot
+    shared by two tokens, token order shuffled."""
+    length = case.view_len or case.max_len
+    q = torch.randn(case.num_tokens, case.num_heads, case.head_dim, generator=generator).to(case.dtype)
+    shape = (case.num_slots, case.kv_heads, case.max_len, case.head_dim)
+    k = torch.randn(shape, generator=generator).to(case.dtype)
+    v = torch.randn(shape, generator=generator).to(case.dtype)
+    positions = torch.randint(length, (case.num_tokens,), generator=generator)
+    edges = torch.tensor([0, length - 1])
+    if case.num_tokens == 1:  # one token: an edge two times in three
+        edges = torch.cat([edges, positions])[torch.randint(3, (1,), generator=generator)]
+    positions[:len(edges)] = edges
+    slot_ids = torch.randint(case.num_slots, (case.num_tokens,), generator=generator)
+    slot_ids[-1] = slot_ids[0]
+    order = torch.randperm(case.num_tokens, generator=generator)
+    return q, k, v, slot_ids[order], positions[order]
+
+
+def poison_allocator(device: torch.device, num_bytes: int) -> None:
+    """Leave NaN in the memory the next allocations of this size will get (CUDA caching allocator)."""
+    if device.type == "cuda":
+        torch.empty(num_bytes // 4, dtype=torch.float32, device=device).fill_(float("nan"))
+
+
+def assert_close(case: Case, out: torch.Tensor, ref: torch.Tensor, seed: int) -> float:
+    """Asserts the tolerance of case.dtype; returns the max abs error."""
+    atol, rtol = TOLERANCE[case.dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    out, ref = out.double().cpu(), ref.double()
+    assert out.isfinite().all(), f"{case} seed {seed}: unwritten or non-finite outputs"
+    excess = ((out - ref).abs() - rtol * ref.abs()).max().item()
+    error = (out - ref).abs().max().item()
+    assert excess <= atol, f"{case} seed {seed}: max abs error {error:.2e} (over atol + rtol |ref| by {excess:.2e})"
+    return error
+
+
+def run_case(case: Case, device: torch.device, seed: int) -> float:
+    """Kernel output vs the reference for fresh random inputs; asserts and returns the max abs error."""
+    q, k, v, slot_ids, positions = random_inputs(case, torch.Generator().manual_seed(seed))
+    if case.view_len is not None:
+        k, v = k[:, :, :case.view_len], v[:, :, :case.view_len]
+    scale = case.head_dim ** -0.5
+    ref = decode_attention_torch(q, k, v, slot_ids, positions, scale)
+    q, k, v, slot_ids, positions = (t.to(device) for t in (q, k, v, slot_ids, positions))
+    poison_allocator(device, 64 << 20)
+    out = decode_attention(q, k, v, slot_ids, positions, scale, num_splits=case.num_splits)
+    return assert_close(case, out, ref, seed)
+
+
+def check_rejects_bad_inputs(device: torch.device) -> None:
+    def inputs(**changes: object) -> dict[str, object]:
+        base: dict[str, object] = dict(
+            q=torch.randn(2, 8, 64, device=device), k_cache=torch.randn(3, 2, 32, 64, device=device),
+            v_cache=torch.randn(3, 2, 32, 64, device=device), slot_ids=torch.tensor([0, 2], device=device),
+            positions=torch.tensor([5, 31], device=device), scale=0.125)
+        return base | changes
+
+    k = torch.randn(3, 2, 32, 64, device=device)
+    bad = [
+        ("head_dim", inputs(q=torch.randn(2, 8, 48, device=device), k_cache=k[..., :48], v_cache=k[..., :48])),
+        ("head_dim", inputs(q=torch.randn(2, 8, 8, device=device), k_cache=k[..., :8], v_cache=k[..., :8])),
+        ("dtype", inputs(k_cache=k.bfloat16())),
+        ("q:", inputs(q=torch.randn(2, 64, 8, device=device).transpose(1, 2))),  # strided rows
+        ("k_cache", inputs(k_cache=k[..., :32])),
+        ("k_cache", inputs(k_cache=k.transpose(2, 3).contiguous().transpose(2, 3))),  # strided rows
+        ("kv heads", inputs(q=torch.randn(2, 7, 64, device=device))),
+        ("v_cache", inputs(v_cache=k[:2])),
+        ("slot_ids", inputs(slot_ids=torch.tensor([0], device=device))),
+        ("positions", inputs(positions=torch.tensor([5.0, 3.0], device=device))),
+        ("num_splits", inputs(num_splits=0)),
+    ]
+    for match, kwargs in bad:
+        with pytest.raises(ValueError, match=match):
+            decode_attention(**kwargs)  # type: ignore[arg-type]
+
+
+# --- CUDA -----------------------------------------------------------------------------------------
+
+CUDA = torch.device("cuda")
+
+
+def fresh_seed() -> int:
+    return int(torch.randint(1 << 30, ()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("heads", [(32, 4), (8, 8)], ids=["gqa32-4", "mha8"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_reference(dtype: torch.dtype, num_tokens: int, heads: tuple[int, int], head_dim: int) -> None:
+    run_case(Case(num_tokens, *heads, head_dim, dtype), CUDA, fresh_seed())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 7, 64])
+def test_long_context_any_split_count(num_splits: int | None) -> None:
+    run_case(Case(1, 32, 4, 128, max_len=4096, num_slots=2, num_splits=num_splits), CUDA, fresh_seed())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [16, 32, 256])
+def test_other_head_dims_and_fp16(head_dim: int, dtype: torch.dtype) -> None:
+    run_case(Case(5, 16, 2, head_dim, dtype, max_len=640), CUDA, fresh_seed())
+
+
+@pytest.mark.gpu
+def test_view_of_a_kv_length_bucket() -> None:
+    # the cache sliced to the first `length` positions (strided slots): splits follow `length`
+    run_case(Case(4, 32, 4, 128, max_len=2048, view_len=520), CUDA, fresh_seed())
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_follows_new_positions() -> None:
+    case = Case(4, 32, 4, 128, max_len=1024)
+    generator = torch.Generator().manual_seed(fresh_seed())
+    q, k, v, slot_ids, positions = (t.to(CUDA) for t in random_inputs(case, generator))
+    scale = case.head_dim ** -0.5
+    decode_attention(q, k, v, slot_ids, positions, scale)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, slot_ids, positions, scale)
+    for seed in range(3):
+        new_q, _, _, new_slots, new_positions = random_inputs(case, torch.Generator().manual_seed(seed))
+        q.copy_(new_q), slot_ids.copy_(new_slots), positions.copy_(new_positions)
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = decode_attention_torch(new_q, k.cpu(), v.cpu(), new_slots, new_positions, scale)
+        assert_close(case, out, ref, seed)
+
+
+@pytest.mark.gpu
+def test_launcher_rejects_bad_inputs() -> None:
+    check_rejects_bad_inputs(CUDA)
+
+
+# --- anywhere -----------------------------------------------------------------------------------------
+
+
+def test_default_splits_fill_the_gpu_for_one_token() -> None:
+    assert default_num_splits(1, 4, 4096) == 32
+    assert default_num_splits(64, 8, 4096) == 1
+    assert default_num_splits(1, 4, 100) == 1
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs on CPU tensors")
+def test_cpu_tensors_need_cuda_or_the_interpreter() -> None:
+    q, k, v, slot_ids, positions = random_inputs(Case(2, 4, 2, 16, max_len=8), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="CUDA"):
+        decode_attention(q, k, v, slot_ids, positions, 0.25)
+
+
+# --- the interpreter (no CUDA) ------------------------------------------------------------------------
+
+# tiny shapes: the interpreter runs each program in numpy. Blocks of 64 positions for these head
+# dims, so these split counts give 4 and 5 splits (the last one short), 2 by default, and 1.
+INTERPRETER_CASES = [
+    Case(3, 4, 2, 16, torch.float32, max_len=200, num_splits=4),
+    Case(3, 8, 2, 32, torch.bfloat16, max_len=200),
+    Case(1, 2, 2, 16, torch.float16, max_len=70, num_splits=1),
+    Case(2, 4, 1, 64, torch.bfloat16, max_len=300, num_splits=5),
+    Case(3, 4, 2, 16, torch.float32, max_len=200, num_splits=3, view_len=150),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")
+def test_kernels_under_the_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[2]))
+    result = subprocess.run([sys.executable, str(HERE), "--interpret"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.stdout.count("ok ") == len(INTERPRETER_CASES) + 1, result.stdout
+
+
+def _interpret_main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    seed = int.from_bytes(os.urandom(4), "little")
+    for index, case in enumerate(INTERPRETER_CASES):
+        start = time.perf_counter()
+        error = run_case(case, torch.device("cpu"), seed + index)
+        print(f"ok {case} error={error:.1e} {time.perf_counter() - start:.2f}s", flush=True)
+    check_rejects_bad_inputs(torch.device("cpu"))
+    print("ok validation", flush=True)
+    return 0
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    sys.exit(_interpret_main())
