@@ -1,0 +1,58 @@
+"""The forward pass through the fused kernels (`ops.fused` on CUDA: norms with the residual add, q/k
+norm + rope, router top-k, decode attention) equals the torch path, prefill and decode steps alike.
+
+Without CUDA the kernels run under Triton's interpreter in a subprocess (TRITON_INTERPRET=1 must be
+set before Triton compiles anything); on CUDA the gpu tests of tests/engine/test_gpu_engine.py run
+the same kernels inside the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the fused kernels need it")
+
+HERE = Path(__file__).resolve()
+
+
+def teacher_forced_logits(path: str) -> torch.Tensor:
+    """Two prompts prefilled, then three decode steps of fixed tokens: `[4, seqs, vocab]`."""
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model import SeqSpan
+
+    engine = LLMEngine(EngineConfig(model=ModelConfig(path, device="cpu", max_context=64, cuda_graphs=False),
+                                    cache=CacheConfig(), scheduler=SchedulerConfig(max_num_seqs=4,
+                                                                                   max_num_batched_tokens=64)))
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    steps = [engine.runner.forward([SeqSpan(i, 0, len(p)) for i, p in enumerate(prompts)], prompts, None)]
+    for t in range(3):
+        spans = [SeqSpan(i, len(p) + t, 1) for i, p in enumerate(prompts)]
+        steps.append(engine.runner.forward(spans, [[7 + t]] * len(prompts), None))
+        engine.cache.end_step()
+    return torch.stack([s.float() for s in steps])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")
+def test_fused_forward_equals_the_torch_forward(small_moe_gguf: Path, tmp_path: Path) -> None:
+    outputs = {}
+    for name, interpret in (("torch", "0"), ("fused", "1")):
+        env = dict(os.environ, TRITON_INTERPRET=interpret, PYTHONPATH=str(HERE.parents[2]))
+        out = tmp_path / f"{name}.pt"
+        result = subprocess.run([sys.executable, str(HERE), str(small_moe_gguf), str(out)], env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-4000:]
+        outputs[name] = torch.load(out)
+    torch_path, fused = outputs["torch"], outputs["fused"]
+    error = (fused - torch_path).norm() / torch_path.norm()
+    assert error < 1e-5, f"relative error {error:.1e}"  # float32: summation order only
+
+
+if __name__ == "__main__":
+    torch.save(teacher_forced_logits(sys.argv[1]), sys.argv[2])
