@@ -31,7 +31,7 @@ def moe_forward(layer: int, x: torch.Tensor, w: MoE, hp: HParams, experts: Exper
     if routed_ids is None:
         expert_ids, weights = route_topk(logits, hp.top_k, hp.norm_topk, token_mask)
     else:
-        expert_ids, weights = routed_weights(logits, routed_ids.to(x.device), hp.norm_topk, token_mask)
+        expert_ids, weights = routed_weights(logits, routed_ids.to(x.device, torch.int64), hp.norm_topk, token_mask)
     out = experts(layer, x, expert_ids, weights)
     if w.shared is not None:
         gate = torch.sigmoid(x @ w.shared_gate)[:, None]  # [tokens, 1]
