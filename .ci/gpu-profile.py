@@ -1,12 +1,17 @@
-"""Where a decode step's time goes: cProfile of N batch-1 decode steps for a few placements.
+"""Where a decode step's time goes: cProfile of N batch-1 decode steps for a few placements, and wall
+time per MoE layer call split into its parts (the host's share of the routing, the CPU kernel in its
+thread, the wait for it).
 Usage: python3 .ci/gpu-profile.py MODEL.gguf [steps]"""
 
 import cProfile
+import functools
 import io
 import pstats
 import sys
 import time
+from collections import defaultdict
 
+import engine.expert_cache.executor as executor
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.types import Request, SamplingParams
@@ -27,6 +32,26 @@ def decode(engine: LLMEngine, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+SPENT: dict[str, list[float]] = defaultdict(list)
+
+
+def timed(name: str, fn):  # noqa: ANN001, ANN201
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SPENT[name].append(time.perf_counter() - start)
+    return wrapper
+
+
+executor.ExpertCache.__call__ = timed("moe layer call", executor.ExpertCache.__call__)
+executor.ExpertCache._split = timed("split (host routing, submit)", executor.ExpertCache._split)
+executor.expert_ffn_cpu = timed("cpu kernel (its thread)", executor.expert_ffn_cpu)
+executor._CpuPart.result = timed("wait for the cpu part", executor._CpuPart.result)
+
+
 def main() -> None:
     path, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 24
     base = EngineConfig(model=ModelConfig(path, max_context=256), routing="synthetic:qwen3",
@@ -35,6 +60,7 @@ def main() -> None:
     for name, cache in CONFIGS.items():
         engine.reconfigure_cache(cache)
         decode(engine, steps)  # warm-up: compile, capture
+        SPENT.clear()
         profile = cProfile.Profile()
         profile.enable()
         seconds = decode(engine, steps)
@@ -42,6 +68,8 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
         print(f"== {name}: {seconds * 1e3:.2f} ms per token ({1 / seconds:.1f} tok/s)")
+        for part, times in SPENT.items():
+            print(f"   {part}: {sum(times) / len(times) * 1e6:.0f} us x {len(times) / steps:.0f} per token")
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-1600:])
 
 

@@ -101,7 +101,8 @@ class ExpertCache:
         on_device, cpu = self._split(layer, x, tokens, experts, slots, pair_weights)
         self._records.append(LayerRecord(layer, experts, slots, on_device))
         # NOTE: exactly once: the device computes the pairs in `on_device`, the CPU the others, at once.
-        out = self.compute.ffn(layer, x, tokens, on_device, slots, pair_weights)
+        out = None if cpu is not None and cpu.has_every_pair else \
+            self.compute.ffn(layer, x, tokens, on_device, slots, pair_weights)
         return _sum(out, cpu.result() if cpu is not None else None).to(x.dtype)
 
     def _prefill(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
@@ -133,7 +134,7 @@ class ExpertCache:
             return on_device, None
         future = self.cpu.submit(expert_ffn_cpu, x.float().cpu(), host[0][on_cpu], host[1][on_cpu],
                                  weights.cpu()[on_cpu], self.host[layer], num_threads=self.cpu_threads)
-        return on_device, _CpuPart(future, x.device)
+        return on_device, _CpuPart(future, x.device, has_every_pair=bool(on_cpu.all()))
 
     @property
     def is_graph_safe(self) -> bool:
@@ -290,8 +291,9 @@ def _sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
 class _CpuPart:
     """Misses computed by the CPU thread pool: a Future of a host tensor."""
 
-    def __init__(self, future: Future, device: torch.device) -> None:
+    def __init__(self, future: Future, device: torch.device, has_every_pair: bool) -> None:
         self.future, self.device = future, device
+        self.has_every_pair = has_every_pair  # nothing left for the device: skip its launches
 
     def result(self) -> torch.Tensor:
         return self.future.result().to(self.device, non_blocking=True)
