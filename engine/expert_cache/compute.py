@@ -2,8 +2,10 @@
 from host memory. Two strategies with one interface:
 
 - `TableCompute` (CUDA with Triton): per-layer pointer tables hold, for every expert, the address of
-  its bytes: a VRAM slot when cached, pinned host memory otherwise (read zero-copy over PCIe). Hits
-  and streamed misses are one grouped launch, with no host sync: a decode step can be a CUDA graph.
+  its bytes: a VRAM slot when cached, pinned host memory otherwise. Streamed misses are first copied
+  by the device into a VRAM staging row (`ops.triton.stage`: a copy kernel reads host memory at the
+  link's speed, the grouped FFN reading it in place at half of that), then hits and misses are one
+  grouped launch from VRAM. No host sync: a decode step can be a CUDA graph.
 - `BankCompute` (any device): hits from the slot pool; device-read misses staged from host memory.
 """
 
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.expert_cache.device import empty_bank, expert_parts
+from engine.expert_cache.device import bank_shape, empty_bank, expert_parts
 from ops.cpu_experts import ExpertWeights
 from ops.expert_ffn import expert_ffn
 
@@ -65,14 +67,26 @@ class BankCompute:
 
 class TableCompute:
     def __init__(self, host: Mapping[int, ExpertWeights], resident: Mapping[int, ExpertWeights],
-                 pools: Mapping[int, ExpertWeights], group_of: Mapping[int, int], device: torch.device) -> None:
-        from ops.triton import grouped_expert_ffn, tables_from_bank  # Triton is optional (CUDA only)
+                 pools: Mapping[int, ExpertWeights], group_of: Mapping[int, int], device: torch.device,
+                 stage_misses: bool = True) -> None:
+        from ops.triton import grouped_expert_ffn, stage_experts, tables_from_bank  # Triton: CUDA only
 
-        self.grouped_ffn = grouped_expert_ffn
+        self.grouped_ffn, self.stage = grouped_expert_ffn, stage_experts
         self.host, self.pools, self.group_of = host, pools, group_of
         self.resident = {layer: tables_from_bank(bank, device) for layer, bank in resident.items()}
         # NOTE: a host layer's table starts all-host; `update` points cached experts at their slots.
-        self.tables = {layer: _copy_tables(tables_from_bank(bank, device)) for layer, bank in host.items()}
+        self._host_tables = StackedTables({layer: tables_from_bank(bank, device) for layer, bank in host.items()})
+        self.tables = self._host_tables.views
+        # the same with staging rows for host memory: one staging bank per expert shape, reused by every
+        # layer of that shape (the compute stream orders a layer's copies after the last layer's reads)
+        self.staging = {bank_shape(bank): empty_bank(bank, bank.num_experts, device)
+                        for bank in host.values()} if stage_misses else {}
+        self._staged_tables = StackedTables({layer: tables_from_bank(self._staging_of(layer), device)
+                                             for layer in host} if stage_misses else {})
+        self.staged = self._staged_tables.views
+
+    def _staging_of(self, layer: int) -> ExpertWeights:
+        return self.staging[bank_shape(self.host[layer])]
 
     def resident_ffn(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
@@ -80,42 +94,59 @@ class TableCompute:
 
     def ffn(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
-        """Pairs with expert id >= 0, through the layer's table (slots and host memory alike)."""
-        return self.grouped_ffn(x, tokens, experts, weights, self.tables[layer])
+        """Pairs with expert id >= 0, through the layer's table: hits from their slots, misses copied to
+        staging rows first (or, without staging, read from host memory in place)."""
+        staged = self.staged.get(layer)
+        if staged is None:
+            return self.grouped_ffn(x, tokens, experts, weights, self.tables[layer])
+        self.stage(experts, self.tables[layer], staged)
+        return self.grouped_ffn(x, tokens, experts, weights, staged)
 
     def update(self, entries: list[tuple[int, int, int]]) -> None:
-        """(layer, expert, slot or -1): point each expert at its slot, or back at host memory."""
-        by_layer: dict[int, list[tuple[int, int]]] = {}
-        for layer, expert, slot in entries:
-            by_layer.setdefault(layer, []).append((expert, slot))
-        for layer, changes in by_layer.items():
-            self._update_layer(layer, changes)
+        """(layer, expert, slot or -1): point each expert at its slot, or back at host memory (and at its
+        staging row in the staged tables)."""
+        def addresses(layer: int, expert: int, slot: int, uncached: ExpertWeights) -> tuple[int, int, int]:
+            bank, row = (self.pools[self.group_of[layer]], slot) if slot >= 0 else (uncached, expert)
+            return _row_address(bank.gate, row), _row_address(bank.up, row), _row_address(bank.down, row)
 
-    def _update_layer(self, layer: int, changes: list[tuple[int, int]]) -> None:
-        host, pool, tables = self.host[layer], self.pools.get(self.group_of[layer]), self.tables[layer]
-        experts = torch.tensor([e for e, _ in changes], dtype=torch.int64)
-        for part, ptrs in (("gate", tables.gate_ptrs), ("up", tables.up_ptrs), ("down", tables.down_ptrs)):
-            values = [_row_address(getattr(pool, part), slot) if slot >= 0 else
-                      _row_address(getattr(host, part), expert) for expert, slot in changes]
-            ptrs[experts.to(ptrs.device)] = torch.tensor(values, dtype=torch.int64).to(ptrs.device)
+        self._host_tables.set([(layer, e, addresses(layer, e, slot, self.host[layer])) for layer, e, slot in entries])
+        if self.staged:
+            self._staged_tables.set([(layer, e, addresses(layer, e, slot, self._staging_of(layer)))
+                                     for layer, e, slot in entries])
+
+
+class StackedTables:
+    """Pointer tables of several layers as views of one device tensor `[layers, 3 (gate, up, down),
+    experts]`: the changes of a step are one host -> device copy and one indexed write."""
+
+    def __init__(self, per_layer: Mapping[int, ExpertTables]) -> None:
+        self.row = {layer: i for i, layer in enumerate(per_layer)}
+        self.ptrs = torch.stack([torch.stack([t.gate_ptrs, t.up_ptrs, t.down_ptrs]) for t in per_layer.values()]) \
+            if per_layer else None
+        self.views = {layer: replace(t, gate_ptrs=self.ptrs[i, 0], up_ptrs=self.ptrs[i, 1], down_ptrs=self.ptrs[i, 2])
+                      for i, (layer, t) in enumerate(per_layer.items())}
+
+    def set(self, entries: list[tuple[int, int, tuple[int, int, int]]]) -> None:
+        """(layer, expert, its gate, up and down addresses); of repeated (layer, expert), the last counts."""
+        latest = {(layer, expert): address for layer, expert, address in entries}
+        if not latest or self.ptrs is None:
+            return
+        packed = torch.tensor([(self.row[layer], expert, *address) for (layer, expert), address in latest.items()],
+                              dtype=torch.int64).to(self.ptrs.device)
+        self.ptrs[packed[:, 0], :, packed[:, 1]] = packed[:, 2:]
 
 
 def _row_address(bank_part: torch.Tensor, row: int) -> int:
     return bank_part.data_ptr() + row * bank_part.stride(0)
 
 
-def _copy_tables(tables: ExpertTables) -> ExpertTables:
-    """Own pointer tensors (tables_from_bank may share cached ones between banks)."""
-    return replace(tables, gate_ptrs=tables.gate_ptrs.clone(), up_ptrs=tables.up_ptrs.clone(),
-                   down_ptrs=tables.down_ptrs.clone())
-
-
 def make_compute(host: Mapping[int, ExpertWeights], resident: Mapping[int, ExpertWeights],
                  pools: Mapping[int, ExpertWeights], group_of: Mapping[int, int],
-                 device: torch.device) -> BankCompute | TableCompute:
-    """Pointer tables on CUDA when Triton is available; banks otherwise."""
+                 device: torch.device, stage_misses: bool = True) -> BankCompute | TableCompute:
+    """Pointer tables on CUDA when Triton is available; banks otherwise. `stage_misses`: the device
+    computes missed experts (stream and hybrid modes) and stages them in VRAM first."""
     if device.type == "cuda" and triton_available():
-        return TableCompute(host, resident, pools, group_of, device)
+        return TableCompute(host, resident, pools, group_of, device, stage_misses)
     return BankCompute(host, resident, pools, group_of, device)
 
 

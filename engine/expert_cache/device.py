@@ -82,6 +82,11 @@ def empty_bank(like: ExpertWeights, rows: int, device: torch.device) -> ExpertWe
                          like.down_type, like.hidden, like.ff)
 
 
+def bank_shape(bank: ExpertWeights) -> tuple:
+    """Types and shapes of a bank's experts: banks of one shape can stand in for each other's rows."""
+    return (bank.gate_type, bank.up_type, bank.down_type, tuple(bank.gate.shape[1:]), tuple(bank.down.shape[1:]))
+
+
 def bank_to(bank: ExpertWeights, device: torch.device) -> ExpertWeights:
     """A whole layer of experts copied to the device (resident layers)."""
     if bank.gate.device == device:

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.expert_cache.compute import TableCompute, make_compute
-from engine.expert_cache.device import CopyEngine, PendingCopy, SlotTable, empty_bank, expert_parts
+from engine.expert_cache.device import CopyEngine, PendingCopy, SlotTable, bank_shape, empty_bank, expert_parts
 from engine.expert_cache.placement import Placement, choose_placement
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
 from engine.expert_cache.policy import CachePolicy, PolicyConfig, Promotion, make_policy
@@ -56,7 +56,8 @@ class ExpertCache:
         self.pools = {g.group_id: empty_bank(host[g.layers[0]], g.num_slots, device)
                       for g in plan.groups if g.is_cached}
         self.table = SlotTable(num_layers, num_experts, device)
-        self.compute = make_compute(host, resident, self.pools, self.group_of, device)
+        self.compute = make_compute(host, resident, self.pools, self.group_of, device,
+                                    stage_misses=cfg.miss_mode != "cpu")
         self.split: MissSplit = measure_split(cfg.miss_mode, device, next(iter(host.values()), None),
                                               zero_copy=isinstance(self.compute, TableCompute))
         self.expert_bytes = {layer: expert_bytes(bank) for layer, bank in host.items()}
@@ -303,8 +304,11 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, reserved_bytes: int
     """Place the experts, plan the cache for the budget, and set up the executor over `store`."""
     hp, device = store.hparams, store.device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    if device.type == "cuda":  # prefill: two staged layers and the dequantized chunk
+    if device.type == "cuda":  # prefill: two staged layers and the dequantized chunk; decode: staging banks
         reserved_bytes += 2 * max(store.layer_bytes().values(), default=0) + CHUNK_BYTES
+        if cfg.miss_mode != "cpu":
+            reserved_bytes += sum({bank_shape(b): b.num_experts * expert_bytes(b) for b in store.mapped.values()}
+                                  .values())
     placement = choose_placement(store.layer_bytes(), cfg, free, reserved_bytes)
     layers = [LayerExperts(i, hp.num_experts, hp.top_k, store.expert_bytes(i), _type_key(store.mapped[i]))
               for i in placement.host_layers]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.expert_cache.device import empty_bank
 from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
 
 
@@ -59,24 +60,29 @@ def measure_cpu_gbps(bank: ExpertWeights, num_experts: int = 8) -> float:
 
 
 def measure_stream_gbps(bank: ExpertWeights, device: torch.device, num_experts: int = 8) -> float:
-    """The device's own speed on missed experts: the grouped kernel reading pinned host memory in place
-    (slower than a plain copy: measure what hybrid mode will actually run)."""
-    from ops.triton import expert_ffn_triton
+    """The device's own speed on missed experts, as a decode step computes them: copied from pinned host
+    memory into VRAM staging rows (`ops.triton.stage`), then the grouped kernel."""
+    from ops.triton import grouped_expert_ffn, stage_experts, tables_from_bank
 
-    experts = torch.arange(min(num_experts, bank.gate.shape[0]), device=device)
+    n = min(num_experts, bank.num_experts)
+    first = ExpertWeights(bank.gate[:n], bank.up[:n], bank.down[:n], bank.gate_type, bank.up_type,
+                          bank.down_type, bank.hidden, bank.ff)
+    src, dst = tables_from_bank(first, device), tables_from_bank(empty_bank(first, n, device), device)
+    experts = torch.arange(n, device=device)
     x = torch.randn(1, bank.hidden, device=device, dtype=torch.bfloat16)
-    tokens, weights = torch.zeros_like(experts), torch.full((len(experts),), 1.0, device=device)
+    tokens, weights = torch.zeros_like(experts), torch.full((n,), 1.0, device=device)
 
     def run() -> None:
-        expert_ffn_triton(x, tokens, experts, weights, bank)
+        stage_experts(experts, src, dst)
+        grouped_expert_ffn(x, tokens, experts, weights, dst)
         torch.cuda.synchronize(device)
 
-    per_expert = sum(t[0].numel() for t in (bank.gate, bank.up, bank.down))
-    return len(experts) * per_expert / _seconds(run) / 1e9
+    return n * first.expert_bytes / _seconds(run) / 1e9
 
 
 def measure_split(mode: str, device: torch.device, bank: ExpertWeights | None, zero_copy: bool = False) -> MissSplit:
-    """`zero_copy`: the device reads misses in place through pointer tables (else it stages copies)."""
+    """`zero_copy`: the device reads misses through pointer tables and stages them itself (else the host
+    stages copies)."""
     if mode != "hybrid" or bank is None:
         return MissSplit(1.0 if mode == "stream" else 0.0)
     link = measure_stream_gbps(bank, device) if zero_copy else measure_link_gbps(device)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from engine.expert_cache.device import CopyEngine, SlotTable, empty_bank, expert_parts
+from engine.expert_cache.device import CopyEngine, SlotTable, bank_shape, empty_bank, expert_parts
 from ops.cpu_experts import ExpertWeights
 
 
@@ -74,7 +74,7 @@ class LayerStager:
         return runs
 
     def _next_buffer(self, like: ExpertWeights) -> ExpertWeights:
-        key = (like.gate_type, like.up_type, like.down_type, tuple(like.gate.shape), tuple(like.down.shape))
+        key = (bank_shape(like), like.gate.shape[0])
         if key not in self.buffers:
             self.buffers[key] = [empty_bank(like, like.gate.shape[0], self.copies.device) for _ in range(2)]
         self.turn[key] = 1 - self.turn.get(key, 1)

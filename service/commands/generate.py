@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import sys
 import time
 import uuid
+from dataclasses import replace
 
 from engine.llm_engine import LLMEngine
 from engine.types import Request, SamplingParams

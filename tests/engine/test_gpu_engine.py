@@ -1,5 +1,5 @@
 """The device side of the expert cache on a real GPU: pinned host experts, the copy stream and its
-events, zero-copy streaming without a host sync, CUDA graphs equal to eager steps."""
+events, streamed misses staged in VRAM without a host sync, CUDA graphs equal to eager steps."""
 
 from __future__ import annotations
 
@@ -53,6 +53,25 @@ def test_host_experts_are_pinned_and_tables_point_at_them(weights: ModelWeights)
     ptrs = cache.compute.tables[layer].gate_ptrs.cpu()
     assert int(ptrs[3]) == host.gate.data_ptr() + 3 * host.gate.stride(0)
     cache.close()
+
+
+def test_streamed_misses_are_staged_in_vram_and_cached_experts_read_in_place(weights: ModelWeights) -> None:
+    cache = make_cache(weights, budget_mib=2, miss_mode="stream")
+    layer = weights.moe_layers[0]
+    (staging,) = cache.compute.staging.values()
+    assert staging.gate.is_cuda and staging.num_experts == weights.hparams.num_experts
+    ptrs = cache.compute.staged[layer].down_ptrs
+    assert int(ptrs[5]) == staging.down.data_ptr() + 5 * staging.down.stride(0)
+    pool = cache.pools[cache.group_of[layer]]
+    cache._set_table([(layer, 5, 0)])  # expert 5 published in slot 0
+    for tables in (cache.compute.tables[layer], cache.compute.staged[layer]):
+        assert int(tables.down_ptrs[5]) == pool.down.data_ptr()
+    cache._set_table([(layer, 5, -1)])
+    assert int(ptrs[5]) == staging.down.data_ptr() + 5 * staging.down.stride(0)
+    cache.close()
+    cpu = make_cache(weights, budget_mib=2, miss_mode="cpu")
+    assert not cpu.compute.staged  # the CPU takes the misses: nothing to stage
+    cpu.close()
 
 
 @pytest.mark.parametrize("mode", ["stream", "cpu", "hybrid"])
