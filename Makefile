@@ -2,10 +2,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# The CPU build of torch comes without Triton: this one runs the GPU kernels' tests under its interpreter.
+# With a CUDA build of torch (which brings its own Triton): make test TORCH=torch TRITON=
+TRITON ?= triton==3.9.0
 # The embedded model with its experts in host RAM behind a small cache, so the cache view has work to show.
 RUN_ARGS ?= --cpu-moe --moe-cache-mib 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,13 +18,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+$(TEST_STAMP): $(STAMP)
+	$(if $(TRITON),$(BIN)/python -m pip install --quiet "$(TRITON)")
+	touch $(TEST_STAMP)
+
 .PHONY: install run test lint
 install: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/moecache serve $(RUN_ARGS)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
