@@ -10,6 +10,7 @@ RUN_ARGS ?= --cpu-moe --moe-cache-mib 8
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+LINT_STAMP := $(VENV)/.installed-lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,10 @@ $(TEST_STAMP): $(STAMP)
 	$(if $(TRITON),$(BIN)/python -m pip install --quiet "$(TRITON)")
 	touch $(TEST_STAMP)
 
+$(LINT_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[lint]'
+	touch $(LINT_STAMP)
+
 .PHONY: install run test lint
 install: $(STAMP)
 
@@ -31,6 +36,6 @@ run: $(STAMP)
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
-lint: $(STAMP)
+lint: $(LINT_STAMP)
 	$(BIN)/ruff check engine ops service tests
 	$(BIN)/mypy engine ops service

@@ -106,6 +106,7 @@ class Model:
         hp, n = self.hp, x.shape[0]
         q, k, v = F.linear(x, a.q, a.q_bias), F.linear(x, a.k, a.k_bias), F.linear(x, a.v, a.v_bias)
         if self.arch.qk_norm == "full":
+            assert a.q_norm is not None and a.k_norm is not None, "full q/k norm weights are loaded with the layer"
             q, k = rms_norm(q, a.q_norm, hp.rms_eps), rms_norm(k, a.k_norm, hp.rms_eps)
         q = q.view(n, hp.num_heads, hp.head_dim)
         k = k.view(n, hp.num_kv_heads, hp.head_dim)

@@ -34,6 +34,7 @@ def moe_forward(layer: int, x: torch.Tensor, w: MoE, hp: HParams, experts: Exper
         expert_ids, weights = routed_weights(logits, routed_ids.to(x.device, torch.int64), hp.norm_topk, token_mask)
     out = experts(layer, x, expert_ids, weights)
     if w.shared is not None:
+        assert w.shared_gate is not None, "a shared expert comes with its gate"
         gate = torch.sigmoid(x @ w.shared_gate)[:, None]  # [tokens, 1]
         out = out + gate * swiglu(x, w.shared)
     return out

@@ -78,6 +78,7 @@ class ModelRunner:
         self._fill(g.batch.input_ids, [ids[0] for ids in token_ids] + [0] * pad)
         self._fill(g.batch.positions, [s.start for s in spans] + [0] * pad)
         self._fill(g.batch.slot_ids, [s.slot for s in spans] + [self.scratch_slot] * pad)
+        assert g.batch.token_mask is not None, "a captured batch has a token mask"
         g.batch.token_mask.copy_(torch.arange(size) < n, non_blocking=True)
         if g.routing is not None and routing is not None:
             g.routing[:, :n].copy_(routing, non_blocking=True)

@@ -129,8 +129,8 @@ def _random_bytes(num_bytes: int, generator: torch.Generator) -> torch.Tensor:
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         words = np.random.SFC64(seed).random_raw((num_bytes + 7) // 8)
         return torch.from_numpy(words.view(np.uint8)[:num_bytes])
-    words = torch.empty((num_bytes + 3) // 4, dtype=torch.int32, device=generator.device)
-    return words.random_(-(2**31), 2**31, generator=generator).view(torch.uint8)[:num_bytes]
+    ints = torch.empty((num_bytes + 3) // 4, dtype=torch.int32, device=generator.device)
+    return ints.random_(-(2**31), 2**31, generator=generator).view(torch.uint8)[:num_bytes]
 
 
 # --- float formats -----------------------------------------------------------------------------------

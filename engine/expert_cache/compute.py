@@ -35,16 +35,14 @@ class BankCompute:
         return expert_ffn(x, tokens, experts, weights, self.resident[layer])
 
     def ffn(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor,
-            weights: torch.Tensor) -> torch.Tensor | None:
+            weights: torch.Tensor) -> torch.Tensor:
         """Pairs with expert id >= 0: from their slot when cached, else staged from host memory."""
         pool = self.pools.get(self.group_of[layer])
-        out = None
-        if pool is not None:
-            out = expert_ffn(x, tokens, torch.where(experts >= 0, slots, -1), weights, pool)
+        out = expert_ffn(x, tokens, torch.where(experts >= 0, slots, -1), weights, pool) if pool is not None \
+            else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         missed = experts[(experts >= 0) & (slots < 0)].unique().cpu()
         if missed.numel():
-            staged = self._staged(layer, x, tokens, experts, weights, missed)
-            out = staged if out is None else out + staged
+            out = out + self._staged(layer, x, tokens, experts, weights, missed)
         return out
 
     def _staged(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
@@ -121,10 +119,13 @@ class StackedTables:
 
     def __init__(self, per_layer: Mapping[int, ExpertTables]) -> None:
         self.row = {layer: i for i, layer in enumerate(per_layer)}
-        self.ptrs = torch.stack([torch.stack([t.gate_ptrs, t.up_ptrs, t.down_ptrs]) for t in per_layer.values()]) \
-            if per_layer else None
-        self.views = {layer: replace(t, gate_ptrs=self.ptrs[i, 0], up_ptrs=self.ptrs[i, 1], down_ptrs=self.ptrs[i, 2])
-                      for i, (layer, t) in enumerate(per_layer.items())}
+        self.ptrs: torch.Tensor | None = None
+        self.views: dict[int, ExpertTables] = {}
+        if per_layer:
+            ptrs = torch.stack([torch.stack([t.gate_ptrs, t.up_ptrs, t.down_ptrs]) for t in per_layer.values()])
+            self.ptrs = ptrs
+            self.views = {layer: replace(t, gate_ptrs=ptrs[i, 0], up_ptrs=ptrs[i, 1], down_ptrs=ptrs[i, 2])
+                          for i, (layer, t) in enumerate(per_layer.items())}
 
     def set(self, entries: list[tuple[int, int, tuple[int, int, int]]]) -> None:
         """(layer, expert, its gate, up and down addresses); of repeated (layer, expert), the last counts."""

@@ -66,12 +66,16 @@ class CopyHandle:
     future: Future | None = None
 
     def done(self) -> bool:
-        return self.event.query() if self.event is not None else self.future.done()
+        if self.event is not None:
+            return self.event.query()
+        assert self.future is not None, "a copy handle holds an event or a future"
+        return self.future.done()
 
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
         else:
+            assert self.future is not None, "a copy handle holds an event or a future"
             self.future.result()
 
 
@@ -96,14 +100,14 @@ def bank_to(bank: ExpertWeights, device: torch.device) -> ExpertWeights:
                          bank.down_type, bank.hidden, bank.ff)
 
 
-def expert_parts(bank: ExpertWeights, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_parts(bank: ExpertWeights, row: int | slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return bank.gate[row], bank.up[row], bank.down[row]
 
 
 @dataclass
 class PendingCopy:
     handle: CopyHandle
-    entries: list[tuple[int, int, int]]  # (layer, expert, slot) published when the copy is done
+    entries: list[tuple[int, int, int, int]]  # (group, layer, expert, slot) published when the copy is done
 
 
 class SlotTable:

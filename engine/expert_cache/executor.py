@@ -102,9 +102,10 @@ class ExpertCache:
         on_device, cpu = self._split(layer, x, tokens, experts, slots, pair_weights)
         self._records.append(LayerRecord(layer, experts, slots, on_device))
         # NOTE: exactly once: the device computes the pairs in `on_device`, the CPU the others, at once.
-        out = None if cpu is not None and cpu.has_every_pair else \
-            self.compute.ffn(layer, x, tokens, on_device, slots, pair_weights)
-        return _sum(out, cpu.result() if cpu is not None else None).to(x.dtype)
+        if cpu is not None and cpu.has_every_pair:
+            return cpu.result().to(x.dtype)
+        out = self.compute.ffn(layer, x, tokens, on_device, slots, pair_weights)  # launched before the CPU wait
+        return (out if cpu is None else out + cpu.result()).to(x.dtype)
 
     def _prefill(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                  experts: torch.Tensor) -> torch.Tensor:
@@ -115,6 +116,7 @@ class ExpertCache:
             return grouped_gemm_ffn(x, expert_ids, weights, self.resident[layer]).to(x.dtype)
         slots = self.table.lookup(layer, experts)
         self._records.append(LayerRecord(layer, experts, slots, experts))
+        assert self.stager is not None, "large batches are staged only where the stager exists"
         bank = self.stager.bank(layer)
         out = grouped_gemm_ffn(x, expert_ids, weights, bank)
         self.stager.release(bank)
@@ -213,7 +215,7 @@ class ExpertCache:
         # NOTE: a slot is unpublished before its copy starts.
         self._set_table([(*p.evicted, -1) for p in promotions if p.evicted] +
                         [(p.layer, p.expert, -1) for p in promotions])
-        pool, copies = self.pools[gid], []
+        pool, copies = self.pools[gid], list[tuple[torch.Tensor, torch.Tensor]]()
         for p in promotions:
             copies += zip(expert_parts(pool, p.slot), expert_parts(self.host[p.layer], p.expert))
             self._in_flight[(gid, p.slot)] = (p.layer, p.expert)
@@ -285,10 +287,6 @@ def default_cpu_threads(device: torch.device) -> int:
     return max(1, cores - 2) if device.type == "cuda" and cores > 4 else cores
 
 
-def _sum(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    return b if a is None else a if b is None else a + b
-
-
 class _CpuPart:
     """Misses computed by the CPU thread pool: a Future of a host tensor."""
 
@@ -310,7 +308,7 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, reserved_bytes: int
             reserved_bytes += sum({bank_shape(b): b.num_experts * expert_bytes(b) for b in store.mapped.values()}
                                   .values())
     placement = choose_placement(store.layer_bytes(), cfg, free, reserved_bytes)
-    layers = [LayerExperts(i, hp.num_experts, hp.top_k, store.expert_bytes(i), _type_key(store.mapped[i]))
+    layers = [LayerExperts(i, hp.num_experts, hp.top_k, store.expert_bytes(i), bank_shape(store.mapped[i]))
               for i in placement.host_layers]
     plan = plan_cache(layers, placement.budget_bytes)
     for warning in plan.warnings:
@@ -321,7 +319,3 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, reserved_bytes: int
     profile = Profile.load(cfg.profile_in) if cfg.profile_in else None
     return ExpertCache(host, resident, placement, plan, cfg, device, hp.num_layers, hp.num_experts, profile)
 
-
-def _type_key(bank: ExpertWeights) -> tuple:
-    return tuple((t.name, tuple(x.shape[1:])) for t, x in
-                 ((bank.gate_type, bank.gate), (bank.up_type, bank.up), (bank.down_type, bank.down)))

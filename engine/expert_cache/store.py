@@ -9,7 +9,7 @@ import torch
 
 from engine.expert_cache.device import bank_to
 from engine.expert_cache.host import pin_experts
-from engine.weights import ModelWeights, expert_bytes
+from engine.weights import ModelWeights, MoE, expert_bytes
 from ops.cpu_experts import ExpertWeights
 
 
@@ -18,7 +18,8 @@ class ExpertStore:
                  release: Callable[[int, int], None] | None = None) -> None:
         self.device = device
         self.hparams = weights.hparams
-        self.mapped = {i: weights.layers[i].ffn.experts for i in weights.moe_layers}  # views of the map
+        self.mapped = {i: ffn.experts for i in weights.moe_layers  # views of the map
+                       if isinstance(ffn := weights.layers[i].ffn, MoE)}
         self.release = release or (lambda address, length: None)
         self._host: dict[int, ExpertWeights] = {}
         self._resident: dict[int, ExpertWeights] = {}

@@ -167,7 +167,8 @@ class GGUFFile:
             start = address - reader.data.ctypes.data
             if 0 <= start < len(reader.data) and hasattr(mmap, "MADV_DONTNEED"):
                 aligned = start // mmap.PAGESIZE * mmap.PAGESIZE
-                reader.data._mmap.madvise(mmap.MADV_DONTNEED, aligned, start - aligned + length)
+                # numpy keeps the map of a memmap in its private `_mmap`
+                reader.data._mmap.madvise(mmap.MADV_DONTNEED, aligned, start - aligned + length)  # type: ignore[attr-defined]
 
     def has(self, name: str) -> bool:
         return name in self.tensors

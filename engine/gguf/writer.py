@@ -73,6 +73,7 @@ def _raw_numpy(data: np.ndarray | torch.Tensor) -> np.ndarray:
 
 
 def _leave_hole(writer: GGUFWriter, specs: list[TensorSpec]) -> None:
+    assert writer.fout is not None, "the writer's file is open"
     fout = writer.fout[0]
     pad = lambda n: -(-n // writer.data_alignment) * writer.data_alignment  # noqa: E731
     end = pad(fout.tell())

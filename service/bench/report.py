@@ -126,7 +126,8 @@ def _header(report: BenchReport) -> list[str]:
             f"CPU experts {c.cpu_expert_gbps:.3g} GB/s ({c.cpu_expert_path})",
             f"prefill: {s.prompt_len} tokens; decode: {s.gen_len} tokens per request after a "
             f"{s.decode_prompt_len}-token prompt, batches {batches}; medians of {s.repeats} measured run(s) "
-            "after a warm-up; bound: batch-1 decode (docs/benchmarks.md)",
+            f"after a warm-up{f' of {s.warmup_gen_len} tokens' if s.warmup_gen_len else ''}; "
+            "bound: batch-1 decode (docs/benchmarks.md)",
             *_placements(report.results)]
 
 

@@ -35,14 +35,21 @@ class RunSettings:
     batches: tuple[int, ...]  # requests decoding together
     repeats: int  # measured runs after the warm-up
     seed: int = 0  # prompt token ids
+    warmup_gen_len: int = 0  # tokens each decoding request of the warm-up run generates (0: gen_len)
 
     def __post_init__(self) -> None:
         if min(self.prompt_len, self.decode_prompt_len, self.repeats, *self.batches) < 1 or self.gen_len < 2:
             raise ValueError("prompt lengths, batches and repeats must be >= 1 and gen_len >= 2")
+        if self.warmup_gen_len == 1 or self.warmup_gen_len < 0:
+            raise ValueError("warmup_gen_len must be 0 (gen_len) or >= 2")
+
+    def gen_len_of(self, run: int) -> int:
+        """Tokens each decoding request of run `run` generates (run 0 is the warm-up)."""
+        return self.warmup_gen_len if run == 0 and self.warmup_gen_len else self.gen_len
 
     @property
     def context_len(self) -> int:
-        return max(self.prompt_len + 1, self.decode_prompt_len + self.gen_len)
+        return max(self.prompt_len + 1, self.decode_prompt_len + max(self.gen_len, self.warmup_gen_len))
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,7 @@ def decode_phases(engine: LLMEngine, prompts: Prompts, settings: RunSettings, ba
     """`batch` requests: their prompts until each has its first token, then the decode steps."""
     before, start = _snapshot(engine), time.perf_counter()
     for _ in range(batch):
-        _add(engine, prompts, settings.decode_prompt_len, settings.gen_len)
+        _add(engine, prompts, settings.decode_prompt_len, settings.gen_len_of(run))
     # NOTE: tokens sampled while other prompts are still prefilling belong to the prompt phase.
     _steps_until(engine, lambda started: len(started) == batch)
     middle, decode_start = _snapshot(engine), time.perf_counter()

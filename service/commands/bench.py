@@ -35,6 +35,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--decode-prompt-len", type=int, default=16, help="prompt of each decoding request")
     r.add_argument("--gen-len", type=int, default=128, help="tokens each decoding request generates")
     r.add_argument("--repeats", type=int, default=3, help="measured runs (medians) after one warm-up run")
+    r.add_argument("--warmup-gen-len", type=int, default=0, help="tokens each decoding request generates in the "
+                   "warm-up run (default: --gen-len); a long warm-up lets policies that promote a few experts a "
+                   "step (decay, lfru) fill the cache before the measured runs")
     r.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     r.add_argument("-c", "--ctx-size", type=int, default=None, help="context per sequence (default: what the "
                    "longest request needs)")
@@ -63,7 +66,7 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
 
 def settings_of(args: argparse.Namespace) -> RunSettings:
     return RunSettings(args.prompt_len, args.decode_prompt_len, args.gen_len, tuple(args.batches),
-                       args.repeats, args.seed)
+                       args.repeats, args.seed, args.warmup_gen_len)
 
 
 def points_of(args: argparse.Namespace) -> list[SweepPoint]:

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     preset = with_overrides(PRESETS[args.preset], num_layers=args.layers, num_experts=args.experts,
                             top_k=args.top_k)
     if args.expert_type:
-        preset = replace(preset, expert_type=QType[args.expert_type])
+        preset = replace(preset, expert_type=QType.__members__[args.expert_type])
     bar = ProgressBar()
     paths = write_synth(args.output, preset, build_embedded_vocab(), seed=args.seed,
                         split_max_bytes=args.split_mib << 20, progress=lambda d, t: bar("writing", d, t),

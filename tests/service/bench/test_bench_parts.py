@@ -20,7 +20,7 @@ from ops.quants import QType
 from service.bench.bound import TokenBytes, decode_bound, dense_bytes, token_bytes
 from service.bench.ceilings import Ceilings, ExpertShape, measure_ceilings, pinned_bank
 from service.bench.results import ConfigResult, Skipped, run_configuration
-from service.bench.runner import DECODE, CacheDelta, Phase, RunSettings, decode_figures
+from service.bench.runner import DECODE, CacheDelta, Phase, RunSettings, decode_figures, measure
 from service.bench.sweep import MiB, SweepPoint, cache_config, comma_list, fraction, sweep_points
 
 GB = 1e9
@@ -98,6 +98,23 @@ def test_run_settings_reject_runs_without_decode_steps() -> None:
     with pytest.raises(ValueError, match="gen_len >= 2"):
         RunSettings(prompt_len=8, decode_prompt_len=4, gen_len=1, batches=(1,), repeats=1)
     assert RunSettings(512, 16, 128, (1, 8, 32), 3).context_len == 513
+    with pytest.raises(ValueError, match="warmup_gen_len"):
+        RunSettings(8, 4, 2, (1,), 1, warmup_gen_len=1)
+    assert RunSettings(8, 4, 2, (1,), 1, warmup_gen_len=40).context_len == 44
+
+
+def test_a_longer_warm_up_decodes_more_tokens_and_fills_a_slowly_promoting_cache(tiny_model: Path) -> None:
+    engine = LLMEngine(EngineConfig(ModelConfig(str(tiny_model), "cpu", max_context=64),
+                                    CacheConfig(cpu_moe=True, budget_mib=2, policy="decay", promote_per_step=1),
+                                    SchedulerConfig(2, 64, 64), routing="synthetic:qwen3"))
+    try:
+        settings = RunSettings(prompt_len=4, decode_prompt_len=4, gen_len=3, batches=(2,), repeats=1,
+                               warmup_gen_len=30)
+        phases = [p for p in measure(engine, settings, "synthetic:qwen3") if p.kind == DECODE]
+        assert [(p.run, p.tokens) for p in phases] == [(0, 2 * 29), (1, 2 * 2)]  # the first token: prompt phase
+        assert engine.cache.stats.snapshot().promotions >= 20  # one promotion a step over the warm-up
+    finally:
+        engine.close()
 
 
 def test_host_ceilings_stand_in_for_the_device_without_an_accelerator() -> None:
