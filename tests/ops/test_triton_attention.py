@@ -13,11 +13,8 @@ anything, and must not reach the other tests of this process).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU attention kernels need it")
 
 from ops.triton.attention import decode_attention, decode_attention_torch, default_num_splits  # noqa: E402
+from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 
 # |out - ref| <= ATOL + RTOL * |ref| elementwise, ref in the same dtype. float32: the kernels use
 # ieee float32 dots, so only summation order and exp2 differ (measured ~4e-7). 16-bit: both outputs
@@ -32,7 +30,6 @@ from ops.triton.attention import decode_attention, decode_attention_torch, defau
 # probabilities to the dtype before P @ V, as flash attention does. A wrong head, slot, position
 # or split weight gives errors of order 0.1 to 1.
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
-HERE = Path(__file__).resolve()
 
 
 @dataclass(frozen=True)
@@ -213,28 +210,14 @@ INTERPRETER_CASES = [
     Case(2, 4, 1, 64, torch.bfloat16, max_len=300, num_splits=5),
     Case(3, 4, 2, 16, torch.float32, max_len=200, num_splits=3, view_len=150),
 ]
+INTERPRETER_CHECKS = [(str(c), lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
+INTERPRETER_CHECKS.append(("validation", lambda seed: check_rejects_bad_inputs(torch.device("cpu"))))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")
+@needs_no_cuda
 def test_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[2]))
-    result = subprocess.run([sys.executable, str(HERE), "--interpret"], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == len(INTERPRETER_CASES) + 1, result.stdout
-
-
-def _interpret_main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    seed = int.from_bytes(os.urandom(4), "little")
-    for index, case in enumerate(INTERPRETER_CASES):
-        start = time.perf_counter()
-        error = run_case(case, torch.device("cpu"), seed + index)
-        print(f"ok {case} error={error:.1e} {time.perf_counter() - start:.2f}s", flush=True)
-    check_rejects_bad_inputs(torch.device("cpu"))
-    print("ok validation", flush=True)
-    return 0
+    run_interpreted(__file__, INTERPRETER_CHECKS)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
-    sys.exit(_interpret_main())
+    sys.exit(interpret_main(INTERPRETER_CHECKS))

@@ -12,9 +12,7 @@ anything, and must not reach the other tests of this process).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,12 +23,12 @@ from ops.cpu_experts import QType
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU dequantize kernels need it")
 
 from ops.triton.dequant import dequantize_rows  # noqa: E402
+from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 
 KERNEL_FORMATS = [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0]
 FALLBACK_FORMATS = [QType.IQ4_XS, QType.Q4_0]  # no kernel: the torch reference and a cast
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 DTYPE_IDS = ["bf16", "fp16", "fp32"]
-HERE = Path(__file__).resolve()
 
 
 def random_rows(qtype: QType, rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -165,25 +163,15 @@ def test_cpu_tensors_need_cuda_or_the_interpreter() -> None:
 # 7 rows of 1280: 35 super-blocks or 280 Q8_0 blocks, several programs, the last one partly past the end
 INTERPRETER_CASES = [(qtype, dtype, dtype == torch.float16) for qtype in KERNEL_FORMATS for dtype in DTYPES]
 INTERPRETER_CASES += [(qtype, torch.bfloat16, True) for qtype in FALLBACK_FORMATS]
+INTERPRETER_CHECKS = [(f"{qtype.name} {dtype} out={use_out}",
+                       lambda seed, q=qtype, d=dtype, o=use_out: run_case(q, 7, 1280, d, torch.device("cpu"), seed, o))
+                      for qtype, dtype, use_out in INTERPRETER_CASES]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")
+@needs_no_cuda
 def test_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[2]))
-    result = subprocess.run([sys.executable, str(HERE), "--interpret"], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == len(INTERPRETER_CASES), result.stdout
-
-
-def _interpret_main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    seed = int.from_bytes(os.urandom(4), "little")
-    for index, (qtype, dtype, use_out) in enumerate(INTERPRETER_CASES):
-        run_case(qtype, 7, 1280, dtype, torch.device("cpu"), seed + index, use_out)
-        print(f"ok {qtype.name} {dtype} out={use_out}", flush=True)
-    return 0
+    run_interpreted(__file__, INTERPRETER_CHECKS)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
-    sys.exit(_interpret_main())
+    sys.exit(interpret_main(INTERPRETER_CHECKS))

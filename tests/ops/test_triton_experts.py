@@ -13,10 +13,8 @@ anything, and must not reach the other tests of this process).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +26,7 @@ from ops.expert_ffn import expert_ffn_torch
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
 from ops.triton import ExpertTables, LaunchConfig, expert_ffn_triton, grouped_expert_ffn, tables_from_bank  # noqa: E402
+from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 
 # ||out - ref|| / ||ref|| over the whole output. The kernels compute in float32 on exactly the
 # activations the reference sees (bf16 widens exactly), so only summation order differs: measured
@@ -45,7 +44,6 @@ FORMATS = [
     (QType.Q5_K, QType.Q8_0, QType.Q4_K),
     (QType.IQ4_XS, QType.F16, QType.Q8_0),
 ]
-HERE = Path(__file__).resolve()
 
 
 @dataclass(frozen=True)
@@ -280,25 +278,14 @@ INTERPRETER_CASES = [
     Case((QType.IQ4_XS, QType.F16, QType.Q8_0), num_tokens=2, hidden=256, ff=256, num_experts=3, top_k=2,
          gate_up_rows=32),
 ]
+INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens}",
+                       lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")
+@needs_no_cuda
 def test_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[2]))
-    result = subprocess.run([sys.executable, str(HERE), "--interpret"], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == len(INTERPRETER_CASES), result.stdout
-
-
-def _interpret_main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    seed = int.from_bytes(os.urandom(4), "little")
-    for index, case in enumerate(INTERPRETER_CASES):
-        error = run_case(case, torch.device("cpu"), seed + index)
-        print(f"ok {'-'.join(q.name for q in case.types)} tokens={case.num_tokens} error={error:.1e}", flush=True)
-    return 0
+    run_interpreted(__file__, INTERPRETER_CHECKS)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
-    sys.exit(_interpret_main())
+    sys.exit(interpret_main(INTERPRETER_CHECKS))

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,11 +34,11 @@ from ops.fused import (
 triton = pytest.importorskip("triton", reason="triton is not installed: the fused GPU kernels need it")
 
 from ops.triton.fused import add_rms_norm, qk_norm_rope, rms_norm, route_topk, routed_weights  # noqa: E402
+from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}  # 2 ulps of bf16 / fp16
 WEIGHT_ATOL = 1e-6
 EPS = 1e-6
-HERE = Path(__file__).resolve()
 CUDA = torch.device("cuda")
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = ["fp32", "bf16"]
@@ -377,24 +374,10 @@ INTERPRETER_CHECKS = [
 ]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")
+@needs_no_cuda
 def test_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[2]))
-    result = subprocess.run([sys.executable, str(HERE), "--interpret"], env=env, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == len(INTERPRETER_CHECKS), result.stdout
-
-
-def _interpret_main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    base = int.from_bytes(os.urandom(4), "little")
-    for index, (name, check) in enumerate(INTERPRETER_CHECKS):
-        start = time.perf_counter()
-        error = check(base + index)
-        print(f"ok {name} error={error:.1e} ({time.perf_counter() - start:.2f} s)", flush=True)
-    return 0
+    run_interpreted(__file__, INTERPRETER_CHECKS)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
-    sys.exit(_interpret_main())
+    sys.exit(interpret_main(INTERPRETER_CHECKS))

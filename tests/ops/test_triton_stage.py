@@ -11,11 +11,8 @@ interpreter in a subprocess (TRITON_INTERPRET=1 must be set before Triton compil
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +24,9 @@ from ops.quants import QType
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
 from ops.triton import grouped_expert_ffn, stage_experts, tables_from_bank  # noqa: E402
+from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 from tests.ops.test_triton_experts import RTOL, Case, on_device, random_bank, random_routing, relative_error  # noqa: E402
 
-HERE = Path(__file__).resolve()
 POISON = 0xA5
 CASES = [
     Case((QType.Q4_K, QType.Q4_K, QType.Q4_K), num_tokens=1),
@@ -101,24 +98,14 @@ def test_tables_of_other_shapes_are_refused() -> None:
 # --- the interpreter (no CUDA) ----------------------------------------------------------------------------
 
 INTERPRETER_CASES = [replace(CASES[0], hidden=256, ff=256), replace(CASES[1], hidden=256, ff=256, num_tokens=3)]
+INTERPRETER_CHECKS = [(str(c.types), lambda seed, c=c: run_case(c, torch.device("cpu"), seed))
+                      for c in INTERPRETER_CASES]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")
+@needs_no_cuda
 def test_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[2]))
-    result = subprocess.run([sys.executable, str(HERE), "--interpret"], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == len(INTERPRETER_CASES), result.stdout
-
-
-def _interpret_main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    base = int.from_bytes(os.urandom(4), "little")
-    for index, case in enumerate(INTERPRETER_CASES):
-        print(f"ok {case.types} error={run_case(case, torch.device('cpu'), base + index):.1e}", flush=True)
-    return 0
+    run_interpreted(__file__, INTERPRETER_CHECKS)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
-    sys.exit(_interpret_main())
+    sys.exit(interpret_main(INTERPRETER_CHECKS))
