@@ -100,8 +100,10 @@ def test_chat_streams_and_the_cache_view_follows(browser: Any, page_server: Serv
     assert browser.execute_script("return window.replyUpdates") > 10, "the reply arrived in many pieces"
     assert not error.is_displayed()
 
-    # the heatmap redraws with heat on the experts just used, cached ones marked, and the chart moves
+    # the heatmap redraws with heat on the experts just used, cached ones marked, and the chart moves.
+    # NOTE: a state arrives every 0.5 s: the first redraw may show the prompt step, which caches nothing
     wait_for(browser, lambda: canvas_image(browser, "heatmap") != heat_before, what="a new heatmap")
+    wait_for(browser, lambda: int(dataset(browser, "heatmap").get("cached", "0")) > 0, what="cached experts")
     heat = dataset(browser, "heatmap")
     assert int(heat["draws"]) > draws_before and int(heat["active"]) > 0 and int(heat["cached"]) > 0
     wait_for(browser, lambda: int(dataset(browser, "hit-chart").get("samples", "0")) > samples_before,
