@@ -11,7 +11,7 @@ from host memory. Two strategies with one interface:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -77,8 +77,8 @@ class TableCompute:
         self.tables = self._host_tables.views
         # the same with staging rows for host memory: one staging bank per expert shape, reused by every
         # layer of that shape (the compute stream orders a layer's copies after the last layer's reads)
-        self.staging = {bank_shape(bank): empty_bank(bank, bank.num_experts, device)
-                        for bank in host.values()} if stage_misses else {}
+        self.staging = {shape: empty_bank(bank, bank.num_experts, device)
+                        for shape, bank in _one_per_shape(host.values()).items()} if stage_misses else {}
         self._staged_tables = StackedTables({layer: tables_from_bank(self._staging_of(layer), device)
                                              for layer in host} if stage_misses else {})
         self.staged = self._staged_tables.views
@@ -135,6 +135,15 @@ class StackedTables:
         packed = torch.tensor([(self.row[layer], expert, *address) for (layer, expert), address in latest.items()],
                               dtype=torch.int64).to(self.ptrs.device)
         self.ptrs[packed[:, 0], :, packed[:, 1]] = packed[:, 2:]
+
+
+def _one_per_shape(banks: Iterable[ExpertWeights]) -> dict[tuple, ExpertWeights]:
+    return {bank_shape(bank): bank for bank in banks}
+
+
+def staging_bytes(banks: Iterable[ExpertWeights]) -> int:
+    """VRAM of the staging banks `TableCompute` allocates for these host banks (one per expert shape)."""
+    return sum(bank.num_experts * bank.expert_bytes for bank in _one_per_shape(banks).values())
 
 
 def _row_address(bank_part: torch.Tensor, row: int) -> int:

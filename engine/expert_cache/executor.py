@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine.config import CacheConfig
-from engine.expert_cache.compute import TableCompute, make_compute
+from engine.expert_cache.compute import TableCompute, make_compute, staging_bytes
 from engine.expert_cache.device import CopyEngine, PendingCopy, SlotTable, bank_shape, empty_bank, expert_parts
 from engine.expert_cache.placement import Placement, choose_placement
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
@@ -215,7 +215,8 @@ class ExpertCache:
         # NOTE: a slot is unpublished before its copy starts.
         self._set_table([(*p.evicted, -1) for p in promotions if p.evicted] +
                         [(p.layer, p.expert, -1) for p in promotions])
-        pool, copies = self.pools[gid], list[tuple[torch.Tensor, torch.Tensor]]()
+        pool = self.pools[gid]
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p in promotions:
             copies += zip(expert_parts(pool, p.slot), expert_parts(self.host[p.layer], p.expert))
             self._in_flight[(gid, p.slot)] = (p.layer, p.expert)
@@ -305,8 +306,7 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, reserved_bytes: int
     if device.type == "cuda":  # prefill: two staged layers and the dequantized chunk; decode: staging banks
         reserved_bytes += 2 * max(store.layer_bytes().values(), default=0) + CHUNK_BYTES
         if cfg.miss_mode != "cpu":
-            reserved_bytes += sum({bank_shape(b): b.num_experts * expert_bytes(b) for b in store.mapped.values()}
-                                  .values())
+            reserved_bytes += staging_bytes(store.mapped.values())
     placement = choose_placement(store.layer_bytes(), cfg, free, reserved_bytes)
     layers = [LayerExperts(i, hp.num_experts, hp.top_k, store.expert_bytes(i), bank_shape(store.mapped[i]))
               for i in placement.host_layers]
