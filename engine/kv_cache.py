@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ops.fused import write_kv
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -26,8 +28,7 @@ class KVCache:
     def write(self, layer: int, slot_ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """k, v: `[tokens, kv_heads, head_dim]` stored at (slot, position) of each token."""
-        self.k[layer][slot_ids, :, positions] = k
-        self.v[layer][slot_ids, :, positions] = v
+        write_kv(self.k[layer], self.v[layer], slot_ids, positions, k, v)
 
     def window(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` positions of every slot (views): `[slots, kv_heads, length, head_dim]`."""

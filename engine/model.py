@@ -104,17 +104,23 @@ class Model:
 
     def attention(self, i: int, a: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         hp, n = self.hp, x.shape[0]
-        q, k, v = F.linear(x, a.q, a.q_bias), F.linear(x, a.k, a.k_bias), F.linear(x, a.v, a.v_bias)
+        qkv = F.linear(x, a.qkv, a.qkv_bias)
+        style, positions, eps = self.arch.rope_style, batch.positions, hp.rms_eps
         if self.arch.qk_norm == "full":
             assert a.q_norm is not None and a.k_norm is not None, "full q/k norm weights are loaded with the layer"
-            q, k = rms_norm(q, a.q_norm, hp.rms_eps), rms_norm(k, a.k_norm, hp.rms_eps)
-        q = q.view(n, hp.num_heads, hp.head_dim)
-        k = k.view(n, hp.num_kv_heads, hp.head_dim)
+            q, k, v = a.split(qkv)
+            q = qk_norm_rope(rms_norm(q, a.q_norm, eps).view(n, hp.num_heads, hp.head_dim), None, positions,
+                             self.inv_freq, style, eps)
+            k = qk_norm_rope(rms_norm(k, a.k_norm, eps).view(n, hp.num_kv_heads, hp.head_dim), None, positions,
+                             self.inv_freq, style, eps)
+        else:  # q and k heads side by side in the projection: normed and rotated in one launch
+            heads = hp.num_heads + hp.num_kv_heads
+            qk = qk_norm_rope(qkv[:, :heads * hp.head_dim].view(n, heads, hp.head_dim), a.q_norm, positions,
+                              self.inv_freq, style, eps, a.k_norm if a.q_norm is not None else None,
+                              hp.num_heads)
+            q, k = qk[:, :hp.num_heads], qk[:, hp.num_heads:]
+            v = a.split(qkv)[2]
         v = v.view(n, hp.num_kv_heads, hp.head_dim)
-        per_head = self.arch.qk_norm == "head"
-        style, positions = self.arch.rope_style, batch.positions
-        q = qk_norm_rope(q, a.q_norm if per_head else None, positions, self.inv_freq, style, hp.rms_eps)
-        k = qk_norm_rope(k, a.k_norm if per_head else None, positions, self.inv_freq, style, hp.rms_eps)
         kv.write(i, batch.slot_ids, batch.positions, k, v)
         attend = self.decode_attention if batch.is_decode else self.prefill_attention
         out = attend(i, q, batch, kv)  # [tokens, heads, head_dim]

@@ -25,15 +25,18 @@ class DenseFFN:
 
 @dataclass(frozen=True)
 class Attention:
-    q: torch.Tensor  # [heads * head_dim, hidden]
-    k: torch.Tensor  # [kv_heads * head_dim, hidden]
-    v: torch.Tensor  # [kv_heads * head_dim, hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v stacked, one GEMV for all three
     o: torch.Tensor  # [hidden, heads * head_dim]
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
+    q_dim: int  # heads * head_dim: the rows of q; k and v split the rest
+    qkv_bias: torch.Tensor | None = None  # q, k, v biases stacked (zeros where one has none)
     q_norm: torch.Tensor | None = None  # [head_dim] or [heads * head_dim]
     k_norm: torch.Tensor | None = None
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`[tokens, qkv rows]` -> q, k, v (views)."""
+        kv_dim = (self.qkv.shape[0] - self.q_dim) // 2
+        q, k, v = qkv.split([self.q_dim, kv_dim, kv_dim], dim=-1)
+        return q, k, v
 
 
 @dataclass(frozen=True)
@@ -122,14 +125,14 @@ class WeightLoader:
         q_dim, kv_dim = hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
         norm_dim = {"head": hp.head_dim, "full": q_dim, "none": 0}[self.arch.qk_norm]
         k_norm_dim = kv_dim if self.arch.qk_norm == "full" else norm_dim
+        weights = [self.dense(t(role), (dim, hp.hidden)) for role, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))]
+        biases = [self.optional(t(role), (dim,)) for role, dim in (("q_bias", q_dim), ("k_bias", kv_dim),
+                                                                    ("v_bias", kv_dim))]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
+             for w, b in zip(weights, biases)])
         return Attention(
-            q=self.dense(t("q"), (q_dim, hp.hidden)),
-            k=self.dense(t("k"), (kv_dim, hp.hidden)),
-            v=self.dense(t("v"), (kv_dim, hp.hidden)),
-            o=self.dense(t("o"), (hp.hidden, q_dim)),
-            q_bias=self.optional(t("q_bias"), (q_dim,)),
-            k_bias=self.optional(t("k_bias"), (kv_dim,)),
-            v_bias=self.optional(t("v_bias"), (kv_dim,)),
+            qkv=torch.cat(weights), o=self.dense(t("o"), (hp.hidden, q_dim)), q_dim=q_dim, qkv_bias=bias,
             q_norm=self.dense(t("q_norm"), (norm_dim,)) if norm_dim else None,
             k_norm=self.dense(t("k_norm"), (k_norm_dim,)) if norm_dim else None,
         )

@@ -55,12 +55,17 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
 
 
 def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: torch.Tensor,
-                 inv_freq: torch.Tensor, style: RopeStyle, eps: float) -> torch.Tensor:
+                 inv_freq: torch.Tensor, style: RopeStyle, eps: float, k_norm_weight: torch.Tensor | None = None,
+                 q_heads: int | None = None) -> torch.Tensor:
     """x `[tokens, heads, head_dim]`: optional per-head RMSNorm, then rotary embedding at `positions`
-    (neox: rotate halves; normal: rotate interleaved pairs)."""
+    (neox: rotate halves; normal: rotate interleaved pairs). With q_heads, x holds q then k heads (of a
+    fused projection) and the k heads are normed with k_norm_weight."""
     if _fused(x):
         from ops.triton import fused
-        return fused.qk_norm_rope(x, norm_weight, positions, inv_freq, style, eps)
+        return fused.qk_norm_rope(x, norm_weight, positions, inv_freq, style, eps, k_norm_weight, q_heads)
+    if q_heads is not None:
+        return torch.cat([qk_norm_rope_torch(x[:, :q_heads], norm_weight, positions, inv_freq, style, eps),
+                          qk_norm_rope_torch(x[:, q_heads:], k_norm_weight, positions, inv_freq, style, eps)], dim=1)
     return qk_norm_rope_torch(x, norm_weight, positions, inv_freq, style, eps)
 
 
@@ -93,7 +98,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale)
 
 
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v `[tokens, kv_heads, head_dim]` into one layer's caches `[slots, kv_heads, max_len, head_dim]`
+    at (slot_ids[i], positions[i])."""
+    if _fused(k):
+        from ops.triton.attention import write_kv as fused_write_kv
+        fused_write_kv(k_cache, v_cache, slot_ids, positions, k, v)
+    else:
+        write_kv_torch(k_cache, v_cache, slot_ids, positions, k, v)
+
+
 # --- torch references ------------------------------------------------------------------------------------
+
+
+def write_kv_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+    k_cache[slot_ids, :, positions] = k
+    v_cache[slot_ids, :, positions] = v
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,7 +19,8 @@ from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_ve
 
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # (token, kv head, split) programs: ~2 per SM of a 132-SM H100/H200 (untuned)
-_MIN_SPLIT_LEN = 128  # shorter splits add partials to combine for little K/V each (untuned)
+_MIN_SPLIT_LEN = 256  # shorter splits add partials to combine for little K/V each; 256 keeps the smallest
+# KV bucket of a captured decode step at one split, without the combine launch (H200: docs/benchmarks.md)
 
 
 @triton.jit
@@ -167,6 +168,46 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_i
     check_vector("slot_ids", slot_ids, n, INDEX_DTYPES, device)
     check_vector("positions", positions, n, INDEX_DTYPES, device)
     return n, num_heads, head_dim
+
+
+@triton.jit
+def _write_kv_kernel(k, v, k_s0, k_s1, v_s0, v_s1, k_cache, v_cache, c_s0, c_s1, c_s2, num_slots, slot_ids,
+                     positions, max_len, head_dim, BLOCK: tl.constexpr):
+    # program (token, kv head): its key and value rows into (slot, head, position) of both caches
+    token, head = tl.program_id(0), tl.program_id(1)
+    # NOTE: slots and positions in range are the caller's invariant; the clamps keep a bad one inside
+    slot = tl.minimum(tl.maximum(tl.load(slot_ids + token).to(tl.int64), 0), num_slots - 1)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < head_dim
+    dst = slot * c_s0 + head * c_s1 + _last_position(positions, token, max_len) * c_s2 + cols
+    tl.store(k_cache + dst, tl.load(k + token.to(tl.int64) * k_s0 + head * k_s1 + cols, mask=in_row), mask=in_row)
+    tl.store(v_cache + dst, tl.load(v + token.to(tl.int64) * v_s0 + head * v_s1 + cols, mask=in_row), mask=in_row)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v `[n, kv_heads, head_dim]` (head_dim contiguous, any other strides) stored at (slot_ids[i],
+    positions[i]) of the caches `[num_slots, kv_heads, max_len, head_dim]` (one layer, the same strides):
+    one launch for both. (slot, position) pairs are distinct (a decode or prefill batch)."""
+    device = k_cache.device
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        check_device(name, t, device)
+        if t.dtype != k_cache.dtype or t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected {k_cache.dtype} with contiguous rows, got {t.dtype} "
+                             f"strides {t.stride()}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache: expected the shape and strides of k_cache, got {tuple(v_cache.shape)} "
+                         f"{v_cache.stride()} and {tuple(k_cache.shape)} {k_cache.stride()}")
+    num_slots, kv_heads, max_len, head_dim = k_cache.shape
+    n = k.shape[0]
+    if k.shape != (n, kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"k, v: expected [n, {kv_heads}, {head_dim}], got {tuple(k.shape)}, {tuple(v.shape)}")
+    check_vector("slot_ids", slot_ids, n, INDEX_DTYPES, device)
+    check_vector("positions", positions, n, INDEX_DTYPES, device)
+    if n:
+        _write_kv_kernel[(n, kv_heads)](k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache, v_cache,
+                                        *k_cache.stride()[:3], num_slots, slot_ids, positions, max_len, head_dim,
+                                        BLOCK=triton.next_power_of_2(head_dim), num_warps=1)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,

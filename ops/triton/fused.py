@@ -99,11 +99,12 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _qk_norm_rope_kernel(x, token_stride, head_stride, heads, weight, positions, inv_freq, out, half, eps,
-                         HAS_NORM: tl.constexpr, NEOX: tl.constexpr, BLOCK: tl.constexpr):
-    # program (token, head); out is contiguous [tokens, heads, 2 * half]
+def _qk_norm_rope_kernel(x, token_stride, head_stride, heads, weight, k_weight, q_heads, positions, inv_freq, out,
+                         half, eps, HAS_NORM: tl.constexpr, NEOX: tl.constexpr, BLOCK: tl.constexpr):
+    # program (token, head); out is contiguous [tokens, heads, 2 * half]; heads >= q_heads norm with k_weight
     pid = tl.program_id(0)
     token = pid // heads
+    is_key = pid % heads >= q_heads
     i = tl.arange(0, BLOCK)
     in_half = i < half
     if NEOX:  # pairs (i, i + half)
@@ -115,8 +116,12 @@ def _qk_norm_rope_kernel(x, token_stride, head_stride, heads, weight, positions,
     b = tl.load(src + second, mask=in_half, other=0.0).to(tl.float32)
     if HAS_NORM:
         scale = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * half) + eps)
-        a = a * scale * tl.load(weight + first, mask=in_half, other=0.0).to(tl.float32)
-        b = b * scale * tl.load(weight + second, mask=in_half, other=0.0).to(tl.float32)
+        wa = tl.where(is_key, tl.load(k_weight + first, mask=in_half, other=0.0),
+                      tl.load(weight + first, mask=in_half, other=0.0))
+        wb = tl.where(is_key, tl.load(k_weight + second, mask=in_half, other=0.0),
+                      tl.load(weight + second, mask=in_half, other=0.0))
+        a = a * scale * wa.to(tl.float32)
+        b = b * scale * wb.to(tl.float32)
     # the engine's angles: positions.float() * inv_freq, one float32 rounding
     angle = tl.load(positions + token).to(tl.float32) * tl.load(inv_freq + i, mask=in_half, other=0.0)
     cos, sin = tl.cos(angle), tl.sin(angle)
@@ -126,10 +131,13 @@ def _qk_norm_rope_kernel(x, token_stride, head_stride, heads, weight, positions,
 
 
 def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: torch.Tensor,
-                 inv_freq: torch.Tensor, style: RopeStyle, eps: float) -> torch.Tensor:
+                 inv_freq: torch.Tensor, style: RopeStyle, eps: float, k_norm_weight: torch.Tensor | None = None,
+                 q_heads: int | None = None) -> torch.Tensor:
     """x `[tokens, heads, head_dim]` (head_dim contiguous, any token/head strides) -> the same shape,
     contiguous: optional per-head RMSNorm (norm_weight `[head_dim]` of x's dtype), then rotary embedding
-    at `positions` (int `[tokens]`) with `inv_freq` (float32 `[head_dim / 2]`), neox or normal pairs."""
+    at `positions` (int `[tokens]`) with `inv_freq` (float32 `[head_dim / 2]`), neox or normal pairs.
+    q and k of a fused projection in one launch: heads from `q_heads` on are keys, normed with
+    `k_norm_weight` (given with norm_weight)."""
     device = x.device
     check_device("x", x, device)
     if x.dim() != 3 or x.dtype not in FLOAT_DTYPES or x.shape[2] % 2 or not 2 <= x.shape[2] <= MAX_DIM:
@@ -141,15 +149,21 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: t
         raise ValueError(f"style: expected 'neox' or 'normal', got {style!r}")
     if norm_weight is not None:
         check_vector("norm_weight", norm_weight, head_dim, (x.dtype,), device)
+    if (k_norm_weight is None) != (norm_weight is None or q_heads is None) or not 0 <= (q_heads or 0) <= heads:
+        raise ValueError(f"k_norm_weight and q_heads (<= {heads}): both with norm_weight, or neither; "
+                         f"got {k_norm_weight is not None} and {q_heads}")
+    if k_norm_weight is not None:
+        check_vector("k_norm_weight", k_norm_weight, head_dim, (x.dtype,), device)
     check_vector("positions", positions, tokens, INDEX_DTYPES, device)
     check_vector("inv_freq", inv_freq, head_dim // 2, (torch.float32,), device)
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=device)
     if tokens and heads:
         block = triton.next_power_of_2(head_dim // 2)
+        weight = x if norm_weight is None else norm_weight
         _qk_norm_rope_kernel[(tokens * heads,)](
-            x, x.stride(0), x.stride(1), heads, x if norm_weight is None else norm_weight, positions, inv_freq,
-            out, head_dim // 2, float(eps), HAS_NORM=norm_weight is not None, NEOX=style == "neox", BLOCK=block,
-            num_warps=_num_warps(block))
+            x, x.stride(0), x.stride(1), heads, weight, weight if k_norm_weight is None else k_norm_weight,
+            heads if q_heads is None else q_heads, positions, inv_freq, out, head_dim // 2, float(eps),
+            HAS_NORM=norm_weight is not None, NEOX=style == "neox", BLOCK=block, num_warps=_num_warps(block))
     return out
 
 

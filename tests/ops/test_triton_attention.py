@@ -21,7 +21,8 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU attention kernels need it")
 
-from ops.triton.attention import decode_attention, decode_attention_torch, default_num_splits  # noqa: E402
+from ops.fused import write_kv_torch  # noqa: E402
+from ops.triton.attention import decode_attention, decode_attention_torch, default_num_splits, write_kv  # noqa: E402
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 
 # |out - ref| <= ATOL + RTOL * |ref| elementwise, ref in the same dtype. float32: the kernels use
@@ -122,6 +123,33 @@ def check_rejects_bad_inputs(device: torch.device) -> None:
             decode_attention(**kwargs)  # type: ignore[arg-type]
 
 
+def check_write_kv(device: torch.device, seed: int, num_tokens: int = 5, dtype: torch.dtype = torch.bfloat16,
+                   head_dim: int = 32) -> None:
+    """The one-launch KV write equals two indexed writes, bit for bit: k and v as the strided views of a
+    fused q/k/v projection, distinct (slot, position) pairs including the cache's last position; every
+    other entry of the caches unchanged."""
+    generator = torch.Generator().manual_seed(seed)
+    slots, kv_heads, max_len = 4, 2, 96
+    k_cache = torch.randn(3, slots, kv_heads, max_len, head_dim, generator=generator).to(dtype)  # 3 layers
+    v_cache = torch.randn(k_cache.shape, generator=generator).to(dtype)
+    last = slots * max_len - 1  # the last position of the last slot, always written
+    cells = torch.cat([torch.tensor([last]), torch.randperm(last, generator=generator)[:num_tokens - 1]])
+    slot_ids, positions = cells // max_len, cells % max_len
+    qkv = torch.randn(num_tokens, 3 * kv_heads * head_dim, generator=generator).to(dtype)
+    k = qkv[:, kv_heads * head_dim:2 * kv_heads * head_dim].view(num_tokens, kv_heads, head_dim)
+    v = qkv[:, 2 * kv_heads * head_dim:].view(num_tokens, kv_heads, head_dim)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    write_kv_torch(ref_k[1], ref_v[1], slot_ids, positions, k, v)
+    out_k, out_v = k_cache.clone().to(device), v_cache.clone().to(device)  # .to(cpu) would not copy
+    write_kv(out_k[1], out_v[1], slot_ids.to(device), positions.to(device), k.to(device), v.to(device))
+    assert torch.equal(out_k.cpu(), ref_k) and torch.equal(out_v.cpu(), ref_v), f"seed {seed}"
+    assert not torch.equal(ref_k, k_cache), "the reference wrote something"
+    with pytest.raises(ValueError, match="v_cache"):
+        write_kv(out_k[1], out_v[1, :, :, :8], slot_ids.to(device), positions.to(device), k.to(device), v.to(device))
+    with pytest.raises(ValueError, match="k:"):
+        write_kv(out_k[1], out_v[1], slot_ids.to(device), positions.to(device), k.half().to(device), v.to(device))
+
+
 # --- CUDA -----------------------------------------------------------------------------------------
 
 CUDA = torch.device("cuda")
@@ -179,6 +207,13 @@ def test_cuda_graph_replay_follows_new_positions() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 32, 300])
+def test_write_kv_matches_indexed_writes(num_tokens: int) -> None:
+    check_write_kv(CUDA, fresh_seed(), num_tokens)
+    check_write_kv(CUDA, fresh_seed(), num_tokens, head_dim=80)  # not a power of two: masked columns
+
+
+@pytest.mark.gpu
 def test_launcher_rejects_bad_inputs() -> None:
     check_rejects_bad_inputs(CUDA)
 
@@ -187,7 +222,8 @@ def test_launcher_rejects_bad_inputs() -> None:
 
 
 def test_default_splits_fill_the_gpu_for_one_token() -> None:
-    assert default_num_splits(1, 4, 4096) == 32
+    assert default_num_splits(1, 4, 4096) == 16
+    assert default_num_splits(1, 4, 256) == 1  # the smallest KV bucket: no combine launch
     assert default_num_splits(64, 8, 4096) == 1
     assert default_num_splits(1, 4, 100) == 1
 
@@ -212,6 +248,8 @@ INTERPRETER_CASES = [
 ]
 INTERPRETER_CHECKS = [(str(c), lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("validation", lambda seed: check_rejects_bad_inputs(torch.device("cpu"))))
+INTERPRETER_CHECKS.append(("kv write", lambda seed: check_write_kv(torch.device("cpu"), seed, dtype=torch.float32)))
+INTERPRETER_CHECKS.append(("kv write 24", lambda seed: check_write_kv(torch.device("cpu"), seed, head_dim=24)))
 
 
 @needs_no_cuda

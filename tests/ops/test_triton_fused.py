@@ -99,7 +99,8 @@ def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     x = x[..., :shape[-1]]  # strided: rows longer than dim
     weight = (torch.rand(shape[-1], generator=gen) + 0.5).to(dtype)
     out = rms_norm(x.to(device), weight.to(device), EPS)
-    return assert_close(out, rms_norm_torch(x, weight, EPS), TOL[dtype])
+    # floor: the smallest normal number (fp16 subnormals near 0 have fewer bits than TOL assumes)
+    return assert_close(out, rms_norm_torch(x, weight, EPS), TOL[dtype], torch.finfo(dtype).tiny)
 
 
 def check_add_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int) -> float:
@@ -113,7 +114,7 @@ def check_add_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: torch
     else:  # the interpreter truncates float32 -> bf16: within 1 ulp, and the norm is of that sum
         assert_close(total, ref_total, 2 ** -7)
         ref_normed = rms_norm_torch(total.cpu(), weight, EPS)
-    return assert_close(normed, ref_normed, TOL[dtype])
+    return assert_close(normed, ref_normed, TOL[dtype], torch.finfo(dtype).tiny)
 
 
 def check_qk_norm_rope(tokens: int, heads: int, head_dim: int, style: str, has_norm: bool, dtype: torch.dtype,
@@ -127,6 +128,26 @@ def check_qk_norm_rope(tokens: int, heads: int, head_dim: int, style: str, has_n
     out = qk_norm_rope(x.to(device), None if weight is None else weight.to(device), positions.to(device),
                        freqs.to(device), style, EPS)  # type: ignore[arg-type]
     ref = qk_norm_rope_torch(x, weight, positions, freqs, style, EPS)  # type: ignore[arg-type]
+    return assert_close(out, ref, TOL[dtype], pair_magnitude(ref, style))
+
+
+def check_qk_pair(tokens: int, q_heads: int, k_heads: int, style: str, has_norm: bool, dtype: torch.dtype,
+                  device: torch.device, seed: int, head_dim: int = 128) -> float:
+    """q and k heads of a fused q/k/v projection in one launch, against two reference calls: keys normed
+    with their own weight."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim, generator=gen).to(dtype)
+    x = qkv[:, :(q_heads + k_heads) * head_dim].view(tokens, q_heads + k_heads, head_dim)
+    q_norm, k_norm = ((torch.rand(head_dim, generator=gen) + 0.5).to(dtype) if has_norm else None for _ in range(2))
+    positions, freqs = torch.randint(0, 1 << 17, (tokens,), generator=gen), inv_freq(head_dim)
+    q_w, k_w = (None if w is None else w.to(device) for w in (q_norm, k_norm))
+    out = qk_norm_rope(x.to(device), q_w, positions.to(device), freqs.to(device), style, EPS,  # type: ignore[arg-type]
+                       k_w, q_heads)
+    ref = torch.cat([qk_norm_rope_torch(x[:, :q_heads], q_norm, positions, freqs, style, EPS),  # type: ignore[arg-type]
+                     qk_norm_rope_torch(x[:, q_heads:], k_norm, positions, freqs, style, EPS)], dim=1)  # type: ignore[arg-type]
+    if has_norm:  # the keys' own weight matters: with q's weight they would differ
+        assert not torch.allclose(ref[:, q_heads:], qk_norm_rope_torch(x[:, q_heads:], q_norm, positions, freqs,
+                                                                       style, EPS))  # type: ignore[arg-type]
     return assert_close(out, ref, TOL[dtype], pair_magnitude(ref, style))
 
 
@@ -200,6 +221,13 @@ def test_add_rms_norm(tokens: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("tokens", [1, 7, 32])
 def test_qk_norm_rope(tokens: int, heads: int, style: str, has_norm: bool, dtype: torch.dtype) -> None:
     check_qk_norm_rope(tokens, heads, 128, style, has_norm, dtype, CUDA, seed())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("has_norm", [True, False], ids=["norm", "no-norm"])
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_qk_norm_rope_of_q_and_k_in_one_launch(tokens: int, has_norm: bool) -> None:
+    check_qk_pair(tokens, 32, 4, "neox", has_norm, torch.bfloat16, CUDA, seed())
 
 
 @pytest.mark.gpu
@@ -306,11 +334,14 @@ def test_qk_norm_rope_rejects_bad_inputs(device: torch.device) -> None:
         "positions": [(q, weight, positions.float(), freqs, "neox"), (q, weight, positions[:1], freqs, "neox")],
         "inv_freq": [(q, weight, positions, freqs.double(), "neox"), (q, weight, positions, freqs[:16], "neox")],
         "style": [(q, weight, positions, freqs, "gptj")],
+        "k_norm_weight": [(q, weight, positions, freqs, "neox", EPS, None, 2),
+                          (q, weight, positions, freqs, "neox", EPS, weight, 5),
+                          (q, weight, positions, freqs, "neox", EPS, weight[:32], 2)],
     }
     for name, cases in bad_args.items():
         for args in cases:
             with pytest.raises(ValueError, match=name):
-                qk_norm_rope(*args, EPS)  # type: ignore[arg-type]
+                qk_norm_rope(*(args if len(args) > 5 else (*args, EPS)))  # type: ignore[arg-type]
 
 
 def test_routing_rejects_bad_inputs(device: torch.device) -> None:
@@ -361,6 +392,7 @@ INTERPRETER_CHECKS = [
     ("add_rms_norm bf16", lambda s: check_add_rms_norm((2, 256), BF16, CPU, s)),
     ("qk_norm_rope neox norm bf16", lambda s: check_qk_norm_rope(3, 2, 64, "neox", True, BF16, CPU, s)),
     ("qk_norm_rope neox fp32", lambda s: check_qk_norm_rope(2, 2, 64, "neox", False, F32, CPU, s)),
+    ("qk_norm_rope q and k bf16", lambda s: check_qk_pair(3, 4, 2, "neox", True, BF16, CPU, s, head_dim=64)),
     ("qk_norm_rope normal norm fp32", lambda s: check_qk_norm_rope(2, 3, 64, "normal", True, F32, CPU, s)),
     ("qk_norm_rope normal fp16 strided", lambda s: check_qk_norm_rope(2, 2, 32, "normal", False, F16, CPU, s,
                                                                       strided=True)),
