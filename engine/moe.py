@@ -42,8 +42,26 @@ def moe_forward(layer: int, x: torch.Tensor, w: MoE, hp: HParams, experts: Exper
 
 def flatten_pairs(expert_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`[tokens, top_k]` routing -> per-pair token ids, expert ids and weights `[tokens * top_k]`."""
-    tokens = torch.arange(expert_ids.shape[0], device=expert_ids.device).repeat_interleave(expert_ids.shape[1])
-    return tokens, expert_ids.flatten(), weights.flatten().float()
+    num_tokens, top_k = expert_ids.shape
+    return pair_tokens(num_tokens, top_k, expert_ids.device), expert_ids.flatten(), weights.flatten().float()
+
+
+_PAIR_TOKENS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def pair_tokens(num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
+    """0, 0, .., 1, 1, ..: the token of each pair, made once per shape and then read from memory (in a
+    captured step: no launches). Read-only."""
+    key = (num_tokens, top_k, device)
+    tokens = _PAIR_TOKENS.get(key)
+    if tokens is None:
+        tokens = torch.arange(num_tokens, device=device).repeat_interleave(top_k)
+        # NOTE: a tensor made during a capture holds its values only once the graph runs: never kept
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_PAIR_TOKENS) >= 64:  # prefill chunks of many sizes
+                _PAIR_TOKENS.clear()
+            _PAIR_TOKENS[key] = tokens
+    return tokens
 
 
 class ReferenceExperts:

@@ -88,7 +88,8 @@ class TableCompute:
 
     def resident_ffn(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
-        return self.grouped_ffn(x, tokens, experts, weights, self.resident[layer])
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # x's dtype: no conversion launch
+        return self.grouped_ffn(x, tokens, experts, weights, self.resident[layer], out)
 
     def ffn(self, layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:

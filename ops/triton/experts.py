@@ -67,9 +67,9 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
                        tables: ExpertTables, out: torch.Tensor | None = None,
                        config: LaunchConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """x `[tokens, hidden]` (bf16/fp16/fp32); token_ids, expert_ids (int32/int64), weights `[pairs]`
-    -> float32 `[tokens, hidden]` (written into `out` if given). Pairs with expert id -1 (or out of
-    range, or a pointer <= 0) are skipped. Q4_K, Q5_K, Q6_K and Q8_0 run dedicated kernels; other
-    formats a gather + dequantize path."""
+    -> float32 `[tokens, hidden]`, or written into `out` if given (float32 or 16-bit). Pairs with expert
+    id -1 (or out of range, or a pointer <= 0) are skipped. Q4_K, Q5_K, Q6_K and Q8_0 run dedicated
+    kernels; other formats a gather + dequantize path."""
     num_pairs, num_tokens, device = expert_ids.shape[0], x.shape[0], tables.device
     check_rows("x", x, (num_tokens, tables.hidden), FLOAT_DTYPES, device)
     check_vector("token_ids", token_ids, num_pairs, INDEX_DTYPES, device)
@@ -77,7 +77,7 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
     check_vector("weights", weights, num_pairs, FLOAT_DTYPES, device)
     if out is None:
         out = torch.empty((num_tokens, tables.hidden), dtype=torch.float32, device=device)
-    check_rows("out", out, (num_tokens, tables.hidden), (torch.float32,), device)
+    check_rows("out", out, (num_tokens, tables.hidden), FLOAT_DTYPES, device)
     if num_tokens == 0:
         return out
     block_tokens = config.block_tokens or default_block_tokens(num_tokens)

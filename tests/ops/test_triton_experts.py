@@ -122,6 +122,25 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     return error
 
 
+def check_16bit_out(case: Case, device: torch.device, seed: int) -> None:
+    """An `out` of the activations' 16-bit dtype holds the float32 result rounded once (the combine
+    kernel stores its float32 sum in out's dtype): to nearest even on CUDA, as torch rounds; within
+    one unit in the last place under the interpreter (its conversion may round differently)."""
+    generator = torch.Generator().manual_seed(seed)
+    device_bank = on_device(random_bank(case, generator), device)
+    token_ids, expert_ids, weights = (t.to(device) for t in random_routing(case, generator))
+    x = torch.randn(case.num_tokens, case.hidden, generator=generator).to(case.dtype).to(device)
+    tables = tables_from_bank(device_bank, device)
+    wide = grouped_expert_ffn(x, token_ids, expert_ids, weights, tables)
+    narrow = torch.full(wide.shape, float("nan"), dtype=case.dtype, device=device)
+    grouped_expert_ffn(x, token_ids, expert_ids, weights, tables, out=narrow)
+    assert wide.dtype == torch.float32 and narrow.isfinite().all()
+    ulp = torch.finfo(case.dtype).eps * wide.abs()
+    assert ((narrow.float() - wide).abs() <= ulp).all()
+    if device.type == "cuda":
+        assert torch.equal(narrow, wide.to(case.dtype))
+
+
 # --- CUDA -----------------------------------------------------------------------------------------
 
 
@@ -165,6 +184,12 @@ def test_pinned_host_bank_reads_the_same_bits() -> None:
     assert torch.equal(in_vram, zero_copy)
     ref = expert_ffn_torch(x.cpu(), token_ids.cpu(), expert_ids.cpu(), weights.cpu(), bank)
     assert relative_error(zero_copy, ref) < RTOL
+
+
+@pytest.mark.gpu
+def test_16bit_out_is_the_rounded_float32_result() -> None:
+    case = Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=4, dtype=torch.bfloat16)
+    check_16bit_out(case, CUDA, int(torch.randint(1 << 30, ())))
 
 
 @pytest.mark.gpu
@@ -280,6 +305,7 @@ INTERPRETER_CASES = [
 ]
 INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens}",
                        lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
+INTERPRETER_CHECKS.append(("bf16 out", lambda seed: check_16bit_out(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
 
 
 @needs_no_cuda
