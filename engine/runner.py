@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.expert_cache.executor import ExpertCache, LayerRecord
@@ -30,7 +31,9 @@ def length_buckets(max_len: int) -> list[int]:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    batch: ForwardBatch  # static input buffers
+    batch: ForwardBatch  # static input buffers: input_ids, positions, slot_ids are the rows of `inputs`
+    inputs: torch.Tensor  # [3, size] int64 on the device
+    staged: torch.Tensor  # [3, size] int64 pinned host memory: the next step's inputs, one copy
     routing: torch.Tensor | None  # static [moe_layers, batch, top_k] when the router is replaced
     logits: torch.Tensor  # static output
     records: list[LayerRecord]  # the cache's per-layer records, refreshed by every replay
@@ -74,21 +77,20 @@ class ModelRunner:
         size = next(b for b in self.sizes if b >= n)
         length = next(x for x in self.buckets if x >= max(s.end for s in spans))
         g = self._graph(size, length)
-        pad = size - n
-        self._fill(g.batch.input_ids, [ids[0] for ids in token_ids] + [0] * pad)
-        self._fill(g.batch.positions, [s.start for s in spans] + [0] * pad)
-        self._fill(g.batch.slot_ids, [s.slot for s in spans] + [self.scratch_slot] * pad)
+        # NOTE: the previous step's copy out of `staged` has completed: its tokens were sampled on the host
+        staged = g.staged.numpy()
+        staged[0, :n] = [ids[0] for ids in token_ids]
+        staged[1, :n] = [s.start for s in spans]
+        staged[2, :n] = [s.slot for s in spans]
+        staged[:, n:] = np.array([[0], [0], [self.scratch_slot]])
+        g.inputs.copy_(g.staged, non_blocking=True)
         assert g.batch.token_mask is not None, "a captured batch has a token mask"
-        g.batch.token_mask.copy_(torch.arange(size) < n, non_blocking=True)
+        g.batch.token_mask.copy_(g.staged[2] != self.scratch_slot, non_blocking=True)
         if g.routing is not None and routing is not None:
             g.routing[:, :n].copy_(routing, non_blocking=True)
         g.graph.replay()
         self.cache.restore_step(g.records, n)
         return g.logits[:n]
-
-    @staticmethod
-    def _fill(dst: torch.Tensor, values: list[int]) -> None:
-        dst.copy_(torch.tensor(values, dtype=dst.dtype), non_blocking=True)
 
     def _graph(self, size: int, length: int) -> _Graph:
         if (size, length) not in self.graphs:
@@ -97,8 +99,9 @@ class ModelRunner:
 
     def _capture(self, size: int, length: int) -> _Graph:
         device, hp = self.model.device, self.model.hp
-        zeros = torch.zeros(size, dtype=torch.int64, device=device)
-        batch = ForwardBatch(zeros.clone(), zeros.clone(), torch.full_like(zeros, self.scratch_slot),
+        inputs = torch.zeros((3, size), dtype=torch.int64, device=device)
+        inputs[2] = self.scratch_slot
+        batch = ForwardBatch(inputs[0], inputs[1], inputs[2],
                              tuple(SeqSpan(self.scratch_slot, 0, 1) for _ in range(size)),
                              torch.arange(size, device=device), length,
                              torch.zeros(size, dtype=torch.bool, device=device))
@@ -115,4 +118,5 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.model.forward(batch, self.kv, routing)
         records = self.cache.discard_step()
-        return _Graph(graph, batch, routing, logits, records)
+        return _Graph(graph, batch, inputs, torch.empty((3, size), dtype=torch.int64).pin_memory(), routing, logits,
+                      records)

@@ -169,31 +169,36 @@ class ExpertCache:
 
     def _account(self, records: list[LayerRecord], num_tokens: int) -> None:
         # NOTE: one device -> host copy for the whole step, after it was computed.
-        flat = torch.cat([t for r in records for t in (r.expert_ids, r.slots, r.on_device)]).cpu().numpy()
-        sizes = [r.expert_ids.numel() for r in records]
-        rows = np.concatenate([part.reshape(3, -1) for part in np.split(flat, np.cumsum(sizes)[:-1] * 3)], axis=1)
-        layers = np.repeat([r.layer for r in records], sizes)
-        valid = rows[0] >= 0  # padding rows of a captured batch route nowhere
-        self._count_usage(layers[valid], rows[0][valid])
-        records = [r for r in records if not r.resident]
-        valid &= ~np.isin(layers, list(self.resident))
-        if not records:
+        cached = [r for r in records if not r.resident]
+        parts = [r.expert_ids for r in records] + [r.slots for r in cached] + [r.on_device for r in cached]
+        flat = torch.cat(parts).cpu().numpy()
+        sizes = np.array([r.expert_ids.numel() for r in records])
+        total = int(sizes.sum())
+        ids, layers = flat[:total], np.repeat([r.layer for r in records], sizes)
+        valid = ids >= 0  # padding rows of a captured batch route nowhere
+        self._count_usage(layers[valid], ids[valid])
+        if not cached:
             return
-        (experts, slots, on_device), layers = rows[:, valid], layers[valid]
+        in_cache = np.repeat([not r.resident for r in records], sizes)
+        experts, layers = ids[in_cache], layers[in_cache]
+        slots, on_device = flat[total:].reshape(2, -1)
+        valid = experts >= 0
+        (experts, slots, on_device), layers = (experts[valid], slots[valid], on_device[valid]), layers[valid]
         miss = slots < 0
         hits, misses = {}, {}
-        for gid in {self.group_of[r.layer] for r in records}:
+        for gid in {self.group_of[r.layer] for r in cached}:
             in_group = np.isin(layers, self.groups[gid].layers)
             hits[gid], misses[gid] = int((in_group & ~miss).sum()), int((in_group & miss).sum())
         streamed = self._unique_experts(layers, experts, miss & (on_device >= 0))
         on_cpu = self._unique_experts(layers, experts, miss & (on_device < 0))
         streamed_bytes = sum(self.expert_bytes[layer] for layer, _ in streamed)
         self.stats.record_step(num_tokens, hits, misses, streamed_bytes, len(on_cpu))
-        self._observe({r.layer: experts[layers == r.layer] for r in records}, num_tokens)
+        self._observe({r.layer: experts[layers == r.layer] for r in cached}, num_tokens)
 
     def _count_usage(self, layers: np.ndarray, experts: np.ndarray) -> None:
         self.usage *= USAGE_DECAY
-        np.add.at(self.usage, (layers, experts), 1.0)
+        cells = np.bincount(layers * self.usage.shape[1] + experts, minlength=self.usage.size)
+        self.usage += cells.reshape(self.usage.shape).astype(np.float32)
 
     @staticmethod
     def _unique_experts(layers: np.ndarray, experts: np.ndarray, mask: np.ndarray) -> set[tuple[int, int]]:
