@@ -17,10 +17,10 @@ def pinned(w: ExpertWeights) -> ExpertWeights:
 def gbps(w: ExpertWeights, call) -> float:  # noqa: ANN001
     x, tokens = torch.randn(1, w.hidden), torch.zeros(8, dtype=torch.long)
     times = []
-    for i in range(40):
+    for _ in range(40):
         experts = torch.randperm(w.gate.shape[0])[:8]
         start = time.perf_counter()
-        call(lambda: expert_ffn_cpu(x, tokens, experts, torch.full((8,), 0.125), w))
+        call(lambda experts=experts: expert_ffn_cpu(x, tokens, experts, torch.full((8,), 0.125), w))
         times.append(time.perf_counter() - start)
     return 8 * w.expert_bytes / sorted(times)[20] / 1e9
 

@@ -1,11 +1,12 @@
 """Where a decode step's time goes: cProfile of N batch-1 decode steps for a few placements, and wall
 time per MoE layer call split into its parts (the host's share of the routing, the CPU kernel in its
 thread, the wait for it).
-Usage: python3 .ci/gpu-profile.py MODEL.gguf [steps]"""
+Usage: python3 .ci/gpu-profile.py MODEL.gguf [steps] [config name substring]"""
 
 import cProfile
 import functools
 import io
+import os
 import pstats
 import sys
 import time
@@ -54,23 +55,29 @@ executor._CpuPart.result = timed("wait for the cpu part", executor._CpuPart.resu
 
 def main() -> None:
     path, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 24
-    base = EngineConfig(model=ModelConfig(path, max_context=256), routing="synthetic:qwen3",
+    only = sys.argv[3] if len(sys.argv) > 3 else ""
+    routing = os.environ.get("ROUTING", "synthetic:qwen3")  # "router": the model's own routers
+    base = EngineConfig(model=ModelConfig(path, max_context=256), routing=None if routing == "router" else routing,
                         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64))
     engine = LLMEngine(base)
     for name, cache in CONFIGS.items():
+        if only not in name:
+            continue
         engine.reconfigure_cache(cache)
         decode(engine, steps)  # warm-up: compile, capture
+        plain = decode(engine, steps)
         SPENT.clear()
         profile = cProfile.Profile()
         profile.enable()
         seconds = decode(engine, steps)
         profile.disable()
         text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
-        print(f"== {name}: {seconds * 1e3:.2f} ms per token ({1 / seconds:.1f} tok/s)")
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        print(f"== {name}: {plain * 1e3:.2f} ms per token ({1 / plain:.1f} tok/s); "
+              f"{seconds * 1e3:.2f} ms under the profiler")
         for part, times in SPENT.items():
             print(f"   {part}: {sum(times) / len(times) * 1e6:.0f} us x {len(times) / steps:.0f} per token")
-        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-1600:])
+        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-3200:])
 
 
 if __name__ == "__main__":
