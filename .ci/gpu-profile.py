@@ -56,8 +56,8 @@ executor._CpuPart.result = timed("wait for the cpu part", executor._CpuPart.resu
 def main() -> None:
     path, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 24
     only = sys.argv[3] if len(sys.argv) > 3 else ""
-    routing = os.environ.get("ROUTING", "synthetic:qwen3")  # "router": the model's own routers
-    base = EngineConfig(model=ModelConfig(path, max_context=256), routing=None if routing == "router" else routing,
+    routing = os.environ.get("ROUTING", "synthetic:qwen3")  # "model": the model's own routers
+    base = EngineConfig(model=ModelConfig(path, max_context=256), routing=routing,
                         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64))
     engine = LLMEngine(base)
     for name, cache in CONFIGS.items():

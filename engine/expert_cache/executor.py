@@ -180,10 +180,9 @@ class ExpertCache:
         if not cached:
             return
         in_cache = np.repeat([not r.resident for r in records], sizes)
-        experts, layers = ids[in_cache], layers[in_cache]
-        slots, on_device = flat[total:].reshape(2, -1)
-        valid = experts >= 0
-        (experts, slots, on_device), layers = (experts[valid], slots[valid], on_device[valid]), layers[valid]
+        keep = valid[in_cache]
+        slots, on_device = flat[total:].reshape(2, -1)[:, keep]
+        experts, layers = ids[in_cache][keep], layers[in_cache][keep]
         miss = slots < 0
         hits, misses = {}, {}
         for gid in {self.group_of[r.layer] for r in cached}:

@@ -18,7 +18,7 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.triton.checks import INDEX_DTYPES, check_vector
-from ops.triton.pairs import MAX_WINDOW, pair_is_valid, window_for
+from ops.triton.pairs import pair_is_valid, window_for
 from ops.triton.tables import ExpertTables
 
 BLOCK = 4096  # bytes per program: 256 lanes x 16-byte loads
@@ -61,7 +61,7 @@ def stage_experts(expert_ids: torch.Tensor, src: ExpertTables, dst: ExpertTables
         raise ValueError("dst tables describe experts of other types or shapes than src")
     if num_pairs == 0:
         return
-    window = window_for(min(num_pairs, MAX_WINDOW))
+    window = window_for(num_pairs)
     parts = ((src.gate_ptrs, dst.gate_ptrs, src.ff * src.gate_row_bytes),
              (src.up_ptrs, dst.up_ptrs, src.ff * src.up_row_bytes),
              (src.down_ptrs, dst.down_ptrs, src.hidden * src.down_row_bytes))
