@@ -10,6 +10,28 @@ POLICIES = ("lru", "decay", "lfru", "static")
 
 
 @dataclass(frozen=True)
+class MissMode:
+    """Where the experts a step misses in the cache are computed: `cpu` (the CPU, from host RAM),
+    `stream` (the device, copying them from pinned host memory), `hybrid` (split between the two)."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in MISS_MODES:
+            raise ValueError(f"miss mode must be one of {', '.join(MISS_MODES)} (got {self.name!r})")
+
+    @property
+    def streams(self) -> bool:
+        """The device copies some misses over PCIe (and they can land in the cache)."""
+        return self.name != "cpu"
+
+    @property
+    def uses_cpu(self) -> bool:
+        """The CPU computes some misses."""
+        return self.name != "stream"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None  # None: the embedded default model
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -31,7 +53,8 @@ class CacheConfig:
     budget_mib: int | None = None  # None: automatic (free device memory minus KV, workspace, headroom)
     cpu_moe: bool = False  # every routed expert in host RAM
     n_cpu_moe: int = 0  # the first N MoE layers' experts in host RAM
-    promote_per_step: int = 8
+    promote_per_step: int = 8  # uploads a step where misses do not land (cpu miss mode), decay and lfru
+    free_slots: int = 0  # offered slots a ring of the cache keeps for landing misses; 0: from recent misses
     max_cached_batch: int = 32  # larger batches (prefill) stage experts instead of using the cache
     headroom_mib: int = 1024
     cpu_threads: int | None = None
@@ -42,12 +65,16 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {', '.join(POLICIES)} (got {self.policy!r})")
-        if self.miss_mode not in MISS_MODES:
-            raise ValueError(f"miss mode must be one of {', '.join(MISS_MODES)} (got {self.miss_mode!r})")
+        MissMode(self.miss_mode)
         if self.budget_mib is not None and self.budget_mib < 0:
             raise ValueError("cache budget must be >= 0 MiB")
-        if self.n_cpu_moe < 0 or self.promote_per_step < 1 or self.max_cached_batch < 1:
-            raise ValueError("n_cpu_moe >= 0, promote_per_step >= 1 and max_cached_batch >= 1 are required")
+        if self.n_cpu_moe < 0 or self.promote_per_step < 1 or self.max_cached_batch < 1 or self.free_slots < 0:
+            raise ValueError("n_cpu_moe >= 0, promote_per_step >= 1, max_cached_batch >= 1 and free_slots >= 0 "
+                             "are required")
+
+    @property
+    def mode(self) -> MissMode:
+        return MissMode(self.miss_mode)
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,15 @@ import torch
 from engine.config import CacheConfig, EngineConfig
 from engine.detok import TextOutput
 from engine.embedded import embedded_model_path
-from engine.expert_cache.executor import ExpertCache, build_expert_cache
+from engine.expert_cache.record import StepRecord
+from engine.expert_cache.cache import ExpertCache, build_expert_cache
 from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
 from engine.kv_cache import KVCache
 from engine.model import Model, SeqSpan
-from engine.routing import RoutingSource, TraceRecorder, parse_routing
+from engine.moe import Router
+from engine.routing import TraceRecorder, make_router
 from engine.runner import ModelRunner
 from engine.sampler import SamplingState, make_generator, sample
 from engine.scheduler import Scheduler, Sequence
@@ -79,11 +81,10 @@ class LLMEngine:
         self.kv = KVCache(hp.num_layers, sched.max_num_seqs + 1, max_len, hp.num_kv_heads, hp.head_dim, dtype,
                           self.device)
         self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages)
-        self.cache: ExpertCache = build_expert_cache(self.store, config.cache, reserved_bytes=self.kv.num_bytes)
-        self.model = Model(self.weights, self.cache)
         self.scheduler = Scheduler(sched)
-        self.routing: RoutingSource | None = parse_routing(config.routing, len(self.weights.moe_layers),
-                                                           hp.num_experts, hp.top_k)
+        self.cache: ExpertCache = self._build_cache(config.cache)
+        self.model = Model(self.weights, self.cache.dispatcher,
+                           make_router(config.routing, self.weights, sched.max_num_batched_tokens, self.device))
         self.runner = self._make_runner()
         self.requests: dict[str, RequestState] = {}
         self.trace_streams: dict[str, list[np.ndarray]] | None = {} if config.cache.record_trace else None
@@ -125,8 +126,7 @@ class LLMEngine:
         if state is None:
             return None
         self.scheduler.abort(request_id)
-        if self.routing is not None:
-            self.routing.release(request_id)
+        self.model.router.release(request_id)
         return self._output(state, (), (), "abort")
 
     def has_unfinished(self) -> bool:
@@ -136,39 +136,61 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()  # 1. which sequences, which tokens
         if sched.is_empty:
+            self.cache.flush()
             return []
         result = self.execute(sched)  # 2. forward + sample on the device
-        self.cache.end_step()  # 3. cache bookkeeping and promotions, between steps
-        self._record_trace(sched)
-        return self.update(sched, result)  # 4. tokens -> text, stops, finished requests
+        outputs = self.update(sched, result)  # 3. tokens -> text, stops, finished requests
+        if not self.requests:
+            self.cache.flush()  # idle: the cache's stats include the last step
+        return outputs
 
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         start = time.perf_counter()
         spans = [SeqSpan(s.slot, s.start, len(s.token_ids)) for s in sched.seqs]
-        logits = self.runner.forward(spans, [list(s.token_ids) for s in sched.seqs], self._routing(sched))
+        keys = [s.request_id for s in sched.seqs for _ in s.token_ids]
         rows = [i for i, s in enumerate(sched.seqs) if s.samples]
         states = [self.requests[sched.seqs[i].request_id].sampling for i in rows]
-        tokens, logprobs = sample(logits[rows], states) if rows else ([], [])
+        sampled: tuple[list, list] = ([], [])
+
+        def sample_rows(logits: torch.Tensor) -> None:
+            if rows:
+                sampled[0][:], sampled[1][:] = sample(logits[rows], states)
+
+        record = self.forward(spans, [list(s.token_ids) for s in sched.seqs], keys, sample_rows)
+        self._record_trace(sched, record.ids)
         ids = [sched.seqs[i].request_id for i in rows]
         self.counters["steps"] += 1
+        tokens, logprobs = sampled
         return StepOutput(dict(zip(ids, tokens)), {i: lp for i, lp in zip(ids, logprobs) if lp is not None},
                           sched.num_tokens, time.perf_counter() - start)
 
-    def _routing(self, sched: SchedulerOutput) -> torch.Tensor | None:
-        if self.routing is None:
-            return None
-        per_token = [s.request_id for s in sched.seqs for _ in s.token_ids]
-        return torch.from_numpy(self.routing.route(per_token))  # [moe_layers, tokens, top_k]
+    def forward(self, spans: list[SeqSpan], token_ids: list[list[int]], keys: list[str],
+                consume: Callable[[torch.Tensor], None]) -> StepRecord:
+        """One forward pass with the expert cache's protocol around it; `consume(logits)` reads the logits
+        (sampling: it waits for the device). `keys`: the request of each token. Returns the step record."""
+        self.model.router.begin_step(keys)
+        self.cache.prepare_step()  # a. the table changes decided during the last step, for the device
+        logits = self.runner.forward(spans, token_ids)  # b. launched
+        self.cache.launched()
+        # c. while the device computes: the previous step's cache bookkeeping, the router's work ahead
+        self.cache.process()
+        self.model.router.while_running()
+        consume(logits)  # d. waits for the device
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # NOTE: the step record is complete
+        return self.cache.step_done()  # e. this step's record, processed while the next step runs
 
-    def _record_trace(self, sched: SchedulerOutput) -> None:
+    def _record_trace(self, sched: SchedulerOutput, ids: np.ndarray) -> None:
         """Keep each request's routing as its own stream: a trace is the tokens of one sequence."""
-        if self.trace_streams is None or self.cache.last_routing is None:
+        if self.trace_streams is None:
             return
+        top_k = self.weights.hparams.top_k
         row = 0
         for s in sched.seqs:
-            ids = self.cache.last_routing[:, row:row + len(s.token_ids)].transpose(1, 0, 2)
-            self.trace_streams.setdefault(s.request_id, []).append(ids)
-            row += len(s.token_ids)
+            n = len(s.token_ids)
+            tokens = ids[:, row * top_k:(row + n) * top_k].reshape(ids.shape[0], n, top_k).transpose(1, 0, 2)
+            self.trace_streams.setdefault(s.request_id, []).append(tokens)
+            row += n
 
     def save_trace(self, path: str) -> None:
         """Every recorded request's routing, one sequence after another, as one trace file."""
@@ -211,8 +233,7 @@ class LLMEngine:
     def _finish(self, state: RequestState, tokens: tuple[int, ...], lps: tuple, reason: str) -> RequestOutput:
         self.requests.pop(state.seq.request_id, None)
         self.scheduler.finish(state.seq)
-        if self.routing is not None:
-            self.routing.release(state.seq.request_id)
+        self.model.router.release(state.seq.request_id)
         return self._output(state, tokens, lps, reason)
 
     @staticmethod
@@ -231,23 +252,26 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.runner.graphs.clear()  # graphs captured the old cache's tables and pools
-        self.cache = build_expert_cache(self.store, cache, reserved_bytes=self.kv.num_bytes)
-        self.model.experts = self.cache
+        self.cache = self._build_cache(cache)
+        self.model.experts = self.cache.dispatcher
         self.runner = self._make_runner()  # a fresh graph memory pool for the new captures
         return summary
 
-    def _make_runner(self) -> ModelRunner:
-        return ModelRunner(self.model, self.kv, self.cache, self.scheduler.config.max_num_seqs,
-                           self.config.model.cuda_graphs, routed=self.routing is not None)
+    def _build_cache(self, cache: CacheConfig) -> ExpertCache:
+        return build_expert_cache(self.store, cache, self.scheduler.config.max_num_batched_tokens,
+                                  self.weights.moe_layers, self.weights.hparams.num_layers,
+                                  reserved_bytes=self.kv.num_bytes)
 
-    def set_routing(self, spec: str) -> None:
-        """A fresh routing source of the same kind (`EngineConfig.routing`): the same spec replays the same
-        routing, so each configuration of a sweep sees identical streams."""
-        hp = self.weights.hparams
-        routing = parse_routing(spec, len(self.weights.moe_layers), hp.num_experts, hp.top_k)
-        if (routing is None) != (self.routing is None):  # captured graphs take a routing input or not
-            raise ValueError(f"routing {spec!r}: an engine built with {self.config.routing!r} keeps that kind")
-        self.routing, self.config = routing, replace(self.config, routing=spec)
+    def _make_runner(self) -> ModelRunner:
+        return ModelRunner(self.model, self.kv, self.cache.dispatcher, self.scheduler.config.max_num_seqs,
+                           self.config.model.cuda_graphs)
+
+    def set_router(self, router: Router) -> None:
+        """Replace the model's router (benchmarks, trace replay) while idle; graphs are captured anew."""
+        if self.has_unfinished():
+            raise RuntimeError("the router can only be replaced while no request runs")
+        self.model.router = router
+        self.runner = self._make_runner()
 
     def stats(self) -> EngineStats:
         s = self.scheduler

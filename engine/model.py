@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from engine.kv_cache import KVCache
 from engine.layers import swiglu
-from engine.moe import ExpertExecutor, moe_forward
+from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
 from engine.weights import Attention, DenseFFN, ModelWeights
 from ops.fused import add_rms_norm, decode_attention, qk_norm_rope, rms_norm
 
@@ -62,8 +62,9 @@ def rope_frequencies(head_dim: int, theta: float, scale: float, device: torch.de
 
 
 class Model:
-    def __init__(self, weights: ModelWeights, experts: ExpertExecutor) -> None:
+    def __init__(self, weights: ModelWeights, experts: ExpertExecutor, router: Router | None = None) -> None:
         self.w, self.hp, self.arch, self.experts = weights, weights.hparams, weights.arch, experts
+        self.router: Router = router or TopKRouter(self.hp.top_k, self.hp.norm_topk)
         hp = self.hp
         self.inv_freq = rope_frequencies(hp.head_dim, hp.rope_theta, hp.rope_scale, weights.embed.device)
         self.scale = hp.head_dim ** -0.5
@@ -77,11 +78,8 @@ class Model:
         return self.w.embed.dtype
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache, routing: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of each sequence's last token: float32 `[num_seqs, vocab]`.
-
-        `routing` (`[num_moe_layers, tokens, top_k]`) replaces the routers' choice of experts.
-        """
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Logits of each sequence's last token: float32 `[num_seqs, vocab]`."""
         eps, layers = self.hp.rms_eps, self.w.layers
         x = self.w.embed[batch.input_ids]  # [tokens, hidden]
         h = rms_norm(x, layers[0].attn_norm, eps)
@@ -92,8 +90,7 @@ class Model:
             if isinstance(layer.ffn, DenseFFN):
                 out = swiglu(h, layer.ffn)
             else:
-                routed = routing[moe_index] if routing is not None else None
-                out = moe_forward(i, h, layer.ffn, self.hp, self.experts, routed, batch.token_mask)
+                out = moe_forward(moe_index, i, h, layer.ffn, self.router, self.experts, batch.token_mask)
                 moe_index += 1
             if i + 1 < len(layers):
                 x, h = add_rms_norm(x, out, layers[i + 1].attn_norm, eps)

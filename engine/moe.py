@@ -3,18 +3,62 @@ computed) -> weighted sum, plus the shared expert where the architecture has one
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from engine.arch import HParams
 from engine.layers import swiglu
 from engine.weights import MoE
 from ops.cpu_experts import ExpertWeights
 from ops.expert_ffn import expert_ffn_torch
-from ops.fused import route_topk, routed_weights
+from ops.fused import route_topk
+
+
+class Router(Protocol):
+    """Chooses each token's experts from the router logits. The model's own is `TopKRouter`; benchmarks
+    and trace replay install theirs (`engine.routing`), which may prepare each step's routing."""
+
+    def __call__(self, moe_index: int, logits: torch.Tensor,
+                 token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits `[tokens, experts]` of the `moe_index`-th MoE layer -> expert ids (-1 where token_mask is
+        False) and float32 weights `[tokens, top_k]`."""
+        ...
+
+    def begin_step(self, token_keys: Sequence[Hashable]) -> None:
+        """Before a step's launch: the request of each of its tokens, in order."""
+        ...
+
+    def while_running(self) -> None:
+        """After a step's launch, while the device computes: work that can be done ahead."""
+        ...
+
+    def release(self, request_id: Hashable) -> None:
+        """A request finished."""
+        ...
+
+
+@dataclass(frozen=True)
+class TopKRouter:
+    """The model's router: softmax over the experts, top-k, optionally renormalised."""
+
+    top_k: int
+    norm_topk: bool
+
+    def __call__(self, moe_index: int, logits: torch.Tensor,
+                 token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_topk(logits, self.top_k, self.norm_topk, token_mask)
+
+    def begin_step(self, token_keys: Sequence[Hashable]) -> None:
+        pass
+
+    def while_running(self) -> None:
+        pass
+
+    def release(self, request_id: Hashable) -> None:
+        pass
 
 
 class ExpertExecutor(Protocol):
@@ -24,14 +68,11 @@ class ExpertExecutor(Protocol):
         ...
 
 
-def moe_forward(layer: int, x: torch.Tensor, w: MoE, hp: HParams, experts: ExpertExecutor,
-                routed_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+def moe_forward(moe_index: int, layer: int, x: torch.Tensor, w: MoE, router: Router, experts: ExpertExecutor,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor:
     logits = F.linear(x, w.router)  # [tokens, experts]
     # NOTE: padding rows of a captured batch (token_mask False) select no expert (id -1)
-    if routed_ids is None:
-        expert_ids, weights = route_topk(logits, hp.top_k, hp.norm_topk, token_mask)
-    else:
-        expert_ids, weights = routed_weights(logits, routed_ids.to(x.device, torch.int64), hp.norm_topk, token_mask)
+    expert_ids, weights = router(moe_index, logits, token_mask)
     out = experts(layer, x, expert_ids, weights)
     if w.shared is not None:
         assert w.shared_gate is not None, "a shared expert comes with its gate"

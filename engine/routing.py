@@ -31,6 +31,11 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from engine.moe import Router, TopKRouter
+from engine.weights import ModelWeights
+from ops.fused import routed_weights
 
 TRACE_FORMAT_VERSION = 1
 _LOGISTIC_PROBIT = 1.702  # logistic(1.702 x) approximates the normal CDF: soft rank ~ share above
@@ -424,3 +429,65 @@ def routing_locality(trace: RoutingTrace, window: int = 8) -> RoutingLocality:
         median_reuse_distance=float(np.median(dist)),
         window=window,
     )
+
+
+class ReplayRouter:
+    """The model's router replaced by routing drawn per request from a `RoutingSource` (benchmarks, trace
+    replay): each step's expert ids are drawn on the host before its launch and copied to a device buffer
+    the router reads (a captured graph reads it in place); the next token of each stream is drawn ahead
+    while the device computes. The weights are the model's softmax at those ids."""
+
+    def __init__(self, source: RoutingSource, num_moe_layers: int, max_tokens: int, top_k: int, norm_topk: bool,
+                 device: torch.device) -> None:
+        self.source, self.norm_topk = source, norm_topk
+        self.ids = torch.zeros((num_moe_layers, max_tokens, top_k), dtype=torch.int64, device=device)
+        self.pinned = device.type == "cuda"
+        self.staged = torch.zeros(self.ids.shape, dtype=torch.int64, pin_memory=True) if self.pinned else self.ids
+        self.copied = torch.cuda.Event() if self.pinned else None
+        self._keys: list[Hashable] = []  # the streams of the last step
+        self._ahead: dict[Hashable, np.ndarray] = {}  # a stream's next token `[layers, top_k]`, drawn ahead
+
+    def begin_step(self, token_keys: Sequence[Hashable]) -> None:
+        n = len(token_keys)
+        if n > self.ids.shape[1]:
+            raise ValueError(f"{n} tokens in a step; the router holds {self.ids.shape[1]}")
+        rows = np.empty((self.ids.shape[0], n, self.ids.shape[2]), dtype=np.int64)
+        firsts = {key: i for i, key in reversed(list(enumerate(token_keys)))}
+        ahead = {i for key, i in firsts.items() if key in self._ahead}
+        fresh = [i for i in range(n) if i not in ahead]
+        if fresh:
+            rows[:, fresh] = self.source.route([token_keys[i] for i in fresh])
+        for i in ahead:
+            rows[:, i] = self._ahead.pop(token_keys[i])
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy out of `staged` is done
+        self.staged[:, :n] = torch.from_numpy(rows)
+        if self.pinned:
+            self.ids[:, :n].copy_(self.staged[:, :n], non_blocking=True)
+            assert self.copied is not None
+            self.copied.record()
+        self._keys = list(firsts)
+
+    def while_running(self) -> None:
+        keys = [key for key in self._keys if key not in self._ahead]
+        if keys:
+            drawn = self.source.route(keys)
+            for i, key in enumerate(keys):
+                self._ahead[key] = drawn[:, i]
+
+    def release(self, request_id: Hashable) -> None:
+        self._ahead.pop(request_id, None)
+        self.source.release(request_id)
+
+    def __call__(self, moe_index: int, logits: torch.Tensor,
+                 token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return routed_weights(logits, self.ids[moe_index, :logits.shape[0]], self.norm_topk, token_mask)
+
+
+def make_router(spec: str, weights: ModelWeights, max_tokens: int, device: torch.device, seed: int = 0) -> Router:
+    """The router for `EngineConfig.routing`: the model's own (`model`) or a replacement (`parse_routing`)."""
+    hp = weights.hparams
+    source = parse_routing(spec, len(weights.moe_layers), hp.num_experts, hp.top_k, seed)
+    if source is None:
+        return TopKRouter(hp.top_k, hp.norm_topk)
+    return ReplayRouter(source, len(weights.moe_layers), max_tokens, hp.top_k, hp.norm_topk, device)

@@ -1,5 +1,7 @@
 """Runs a step's forward pass: eagerly, or, for decode batches on CUDA whose experts are computed without
-a host sync, by replaying a CUDA graph captured per padded batch size and KV-length bucket."""
+a host sync, by replaying a CUDA graph captured per padded batch size and KV-length bucket. A step is
+the expert dispatcher's `begin_step`, the model's forward and the dispatcher's `end_step`, captured
+together: the cache's table changes and the step record are part of the graph."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.expert_cache.executor import ExpertCache, LayerRecord
+from engine.expert_cache.dispatch import ExpertDispatcher
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model, SeqSpan
 
@@ -34,37 +36,39 @@ class _Graph:
     batch: ForwardBatch  # static input buffers: input_ids, positions, slot_ids are the rows of `inputs`
     inputs: torch.Tensor  # [3, size] int64 on the device
     staged: torch.Tensor  # [3, size] int64 pinned host memory: the next step's inputs, one copy
-    routing: torch.Tensor | None  # static [moe_layers, batch, top_k] when the router is replaced
     logits: torch.Tensor  # static output
-    records: list[LayerRecord]  # the cache's per-layer records, refreshed by every replay
 
 
 class ModelRunner:
-    def __init__(self, model: Model, kv: KVCache, cache: ExpertCache, max_num_seqs: int, use_graphs: bool,
-                 routed: bool = False) -> None:
-        self.model, self.kv, self.cache = model, kv, cache
+    def __init__(self, model: Model, kv: KVCache, experts: ExpertDispatcher, max_num_seqs: int,
+                 use_graphs: bool) -> None:
+        self.model, self.kv, self.experts = model, kv, experts
         self.scratch_slot = kv.num_slots - 1  # padding rows write their KV here
         self.sizes = [b for b in BATCH_SIZES if b <= max_num_seqs]
         self.buckets = length_buckets(kv.max_len)
         self.use_graphs = use_graphs and model.device.type == "cuda"
-        self.routed = routed
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def can_replay(self, spans: list[SeqSpan]) -> bool:
-        return (self.use_graphs and self.cache.is_graph_safe and len(spans) <= self.sizes[-1]
+        return (self.use_graphs and self.experts.is_graph_safe and len(spans) <= self.sizes[-1]
                 and all(s.num_tokens == 1 for s in spans))
 
-    def forward(self, spans: list[SeqSpan], token_ids: list[list[int]], routing: torch.Tensor | None) -> torch.Tensor:
-        """Logits `[seqs, vocab]` of each sequence's last token."""
+    def forward(self, spans: list[SeqSpan], token_ids: list[list[int]]) -> torch.Tensor:
+        """Logits `[seqs, vocab]` of each sequence's last token (launched: not synchronized)."""
         if self.can_replay(spans):
-            return self._replay(spans, token_ids, routing)
-        batch = ForwardBatch.build(spans, token_ids, self.model.device)
-        return self.model.forward(batch, self.kv, routing)
+            return self._replay(spans, token_ids)
+        return self._step(ForwardBatch.build(spans, token_ids, self.model.device))
+
+    def _step(self, batch: ForwardBatch) -> torch.Tensor:
+        self.experts.begin_step(batch.num_tokens)
+        logits = self.model.forward(batch, self.kv)
+        self.experts.end_step()
+        return logits
 
     def capture_all(self, progress: Callable[[str, int, int], None] | None = None) -> None:
         """Capture every (batch size, KV bucket) graph up front, so no request waits for a capture."""
-        if not (self.use_graphs and self.cache.is_graph_safe):
+        if not (self.use_graphs and self.experts.is_graph_safe):
             return
         keys = [(b, n) for b in self.sizes for n in self.buckets]
         for i, key in enumerate(keys):
@@ -72,7 +76,7 @@ class ModelRunner:
             if progress:
                 progress("graphs", i + 1, len(keys))
 
-    def _replay(self, spans: list[SeqSpan], token_ids: list[list[int]], routing: torch.Tensor | None) -> torch.Tensor:
+    def _replay(self, spans: list[SeqSpan], token_ids: list[list[int]]) -> torch.Tensor:
         n = len(spans)
         size = next(b for b in self.sizes if b >= n)
         length = next(x for x in self.buckets if x >= max(s.end for s in spans))
@@ -86,10 +90,8 @@ class ModelRunner:
         g.inputs.copy_(g.staged, non_blocking=True)
         assert g.batch.token_mask is not None, "a captured batch has a token mask"
         g.batch.token_mask.copy_(g.staged[2] != self.scratch_slot, non_blocking=True)
-        if g.routing is not None and routing is not None:
-            g.routing[:, :n].copy_(routing, non_blocking=True)
         g.graph.replay()
-        self.cache.restore_step(g.records, n)
+        self.experts.replayed(n, size)
         return g.logits[:n]
 
     def _graph(self, size: int, length: int) -> _Graph:
@@ -98,25 +100,22 @@ class ModelRunner:
         return self.graphs[(size, length)]
 
     def _capture(self, size: int, length: int) -> _Graph:
-        device, hp = self.model.device, self.model.hp
+        device = self.model.device
         inputs = torch.zeros((3, size), dtype=torch.int64, device=device)
         inputs[2] = self.scratch_slot
         batch = ForwardBatch(inputs[0], inputs[1], inputs[2],
                              tuple(SeqSpan(self.scratch_slot, 0, 1) for _ in range(size)),
                              torch.arange(size, device=device), length,
                              torch.zeros(size, dtype=torch.bool, device=device))
-        routing = torch.zeros((len(self.model.w.moe_layers), size, hp.top_k), dtype=torch.int64,
-                              device=device) if self.routed else None
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
+        # NOTE: the warm-up steps route nowhere (every row is padding): they change no cache state beyond
+        # applying the pending table changes, which the replay applies again (the same values)
         with torch.cuda.stream(side):  # warm-up: compile kernels, create handles, outside the capture
             for _ in range(2):
-                self.model.forward(batch, self.kv, routing)
-                self.cache.discard_step()
+                self._step(batch)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.forward(batch, self.kv, routing)
-        records = self.cache.discard_step()
-        return _Graph(graph, batch, inputs, torch.empty((3, size), dtype=torch.int64).pin_memory(), routing, logits,
-                      records)
+            logits = self._step(batch)
+        return _Graph(graph, batch, inputs, torch.empty((3, size), dtype=torch.int64).pin_memory(), logits)

@@ -1,4 +1,4 @@
-"""The device side of the expert cache: slot pools, the slot table, and copies off the critical path.
+"""The device side of the expert cache: banks of experts (slot pools, staging) and copies off the critical path.
 
 On CUDA, copies run on a dedicated copy stream and complete through CUDA events. On a CPU device the
 same protocol runs with one copy thread, so every invariant is exercised without a GPU.
@@ -102,33 +102,3 @@ def bank_to(bank: ExpertWeights, device: torch.device) -> ExpertWeights:
 
 def expert_parts(bank: ExpertWeights, row: int | slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return bank.gate[row], bank.up[row], bank.down[row]
-
-
-@dataclass
-class PendingCopy:
-    handle: CopyHandle
-    entries: list[tuple[int, int, int, int]]  # (group, layer, expert, slot) published when the copy is done
-
-
-class SlotTable:
-    """`table[layer, expert]` = slot in the group's pool, or -1. Lives on the device; a host mirror
-    answers the host's questions without a sync. Changed only between steps."""
-
-    def __init__(self, num_layers: int, num_experts: int, device: torch.device) -> None:
-        self.device_table = torch.full((num_layers, num_experts), -1, dtype=torch.int64, device=device)
-        self.host = torch.full((num_layers, num_experts), -1, dtype=torch.int64)
-
-    def set(self, entries: list[tuple[int, int, int]]) -> None:
-        """entries: (layer, expert, slot or -1)."""
-        if not entries:
-            return
-        index = torch.tensor([(layer, expert) for layer, expert, _ in entries], dtype=torch.int64)
-        values = torch.tensor([slot for _, _, slot in entries], dtype=torch.int64)
-        self.host[index[:, 0], index[:, 1]] = values
-        self.device_table[index[:, 0].to(self.device_table.device), index[:, 1].to(self.device_table.device)] = \
-            values.to(self.device_table.device)
-
-    def lookup(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
-        """expert_ids `[...]` on the device -> slots `[...]` (-1 where not cached or the id is -1)."""
-        slots = self.device_table[layer][expert_ids.clamp(min=0)]
-        return torch.where(expert_ids >= 0, slots, -1)

@@ -1,26 +1,73 @@
 """Replay a routing trace through the real policy code to predict hit rates (`moecache plan --trace`).
 
-One trace token is one decode step. Copies complete at once: a promotion is a hit from the next step
-on. A (token, k) pick is a hit when `slot_of` says its expert was resident before the step. Only the
-plan's layers (routed experts in host RAM) count; a group without slots misses every pick.
+`DeviceModel` is the device side of the cache protocol in plain Python, as the engine runs it: a pick
+is a hit when its expert was published at the start of the step; a missed expert lands in the next
+offered slot of its layer's ring (where misses are streamed) and is published from the next step on;
+the policy's decisions of step t (evictions, offers, uploads) apply from step t + 2 on, since the host
+makes them while step t + 1 runs. One trace token is one decode step. Only the plan's layers (routed
+experts in host RAM) count; a group without slots misses every pick.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.expert_cache.plan import CachePlan
-from engine.expert_cache.policy import CachePolicy, PolicyConfig, make_policy
+from engine.expert_cache.policy import CachePolicy, Decision, Expert, PolicyConfig, make_policy
 from engine.expert_cache.profile import Profile
 from engine.routing import RoutingTrace
+
+LAG = 1  # steps between the step a decision is made from and the step before which it applies
+
+
+class DeviceModel:
+    def __init__(self, policy: CachePolicy, lag: int = LAG, uploads: Sequence = ()) -> None:
+        self.policy, self.lag = policy, lag
+        self.published: dict[Expert, int] = {(p.layer, p.expert): p.slot for p in uploads}
+        self.content: dict[int, Expert] = {slot: expert for expert, slot in self.published.items()}  # slot bytes
+        self.rings: list[deque[int]] = [deque() for _ in policy.rings]
+        self.pending: deque[Decision] = deque()
+        self.landings = self.uploads = 0
+        self.apply(policy.start())
+
+    def apply(self, decision: Decision) -> None:
+        for expert, slot in decision.evictions:
+            if self.published.get(expert) == slot:
+                del self.published[expert]
+        for ring, slot in decision.offers:
+            self.rings[ring].append(slot)
+        for p in decision.uploads:  # copies complete between steps
+            self.published[(p.layer, p.expert)] = p.slot
+            self.content[p.slot] = (p.layer, p.expert)
+        self.uploads += len(decision.uploads)
+
+    def step(self, used: Mapping[int, Sequence[int]]) -> tuple[int, dict[Expert, int], Decision]:
+        """One step: (hits, landings, the policy's decision), the decision applied `lag` steps later."""
+        hits, landed = 0, {}
+        for layer, ids in used.items():
+            for e in ids:
+                hits += (layer, e) in self.published
+            ring = self.rings[self.policy.ring_of(layer)]
+            for e in dict.fromkeys(ids):  # each missed expert once, in pair order
+                if (layer, e) not in self.published and (layer, e) not in landed and self.policy.landing and ring:
+                    landed[(layer, e)] = ring.popleft()
+        self.published.update(landed)
+        self.content.update({slot: expert for expert, slot in landed.items()})
+        self.landings += len(landed)
+        decision = self.policy.observe(used, landed)
+        self.pending.append(decision)
+        while len(self.pending) > self.lag:
+            self.apply(self.pending.popleft())
+        return hits, landed, decision
 
 
 @dataclass(frozen=True)
 class ReplayResult:
     hit_ratio: float  # over every pick of the plan's layers
     per_group: dict[int, float]  # group_id -> hit ratio
-    promotions: int  # copies started during the trace (a warm-start fill not counted)
+    promotions: int  # landings and uploads during the trace (a warm-start fill not counted)
 
 
 def profile_from_trace(trace: RoutingTrace) -> Profile:
@@ -47,31 +94,24 @@ def _group_axes(trace: RoutingTrace, plan: CachePlan) -> dict[int, list[tuple[in
     return axes
 
 
-def _step(policy: CachePolicy, used: dict[int, list[int]]) -> tuple[int, int]:
-    """(hits, promotions) of one step."""
-    hits = sum(policy.slot_of(layer, e) is not None for layer, ids in used.items() for e in ids)
-    return hits, len(policy.observe(used))
-
-
-def replay(
-    trace: RoutingTrace, plan: CachePlan, policy: str, config: PolicyConfig, profile: Profile | None = None
-) -> ReplayResult:
-    policies = {g.group_id: make_policy(policy, g, config, profile) for g in plan.groups if g.is_cached}
-    if profile is not None:
-        for cache_policy in policies.values():
-            cache_policy.warm_start(profile)
+def replay(trace: RoutingTrace, plan: CachePlan, policy: str, config: PolicyConfig, profile: Profile | None = None,
+           landing: bool = True, lag: int = LAG) -> ReplayResult:
+    """`landing`: misses are streamed and land (stream, hybrid); else they are uploaded (cpu). `lag`: steps
+    before a decision applies (0: at once, the textbook cache)."""
+    devices = {}
+    for g in plan.groups:
+        if g.is_cached:
+            cache_policy = make_policy(policy, g, config, profile, landing)
+            warm = cache_policy.warm_start(profile) if profile is not None else []
+            devices[g.group_id] = DeviceModel(cache_policy, lag, uploads=warm)
     axes = _group_axes(trace, plan)
     hits: Counter[int] = Counter()
-    promotions = 0
     for token in trace.expert_ids.tolist():  # [num_layers][top_k]
         for group_id, pairs in axes.items():
-            if group_id in policies:
-                step_hits, step_promotions = _step(
-                    policies[group_id], {layer: token[a] for a, layer in pairs}
-                )
-                hits[group_id] += step_hits
-                promotions += step_promotions
+            if group_id in devices:
+                hits[group_id] += devices[group_id].step({layer: token[a] for a, layer in pairs})[0]
     picks = {g: len(pairs) * trace.num_tokens * trace.top_k for g, pairs in axes.items()}
     per_group = {g: hits[g] / n if n else 0.0 for g, n in picks.items()}
     total = sum(picks.values())
+    promotions = sum(d.landings + d.uploads for d in devices.values())
     return ReplayResult(sum(hits.values()) / total if total else 0.0, per_group, promotions)

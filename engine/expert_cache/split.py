@@ -1,32 +1,21 @@
-"""How `hybrid` mode splits a step's missed experts between the device (reading host memory over PCIe)
-and the CPU: in proportion to the two measured speeds, so both finish at about the same time."""
+"""How `hybrid` mode splits a layer's missed experts between the device (copying them from pinned host
+memory, `ops.triton.stage`) and the CPU: in proportion to the two measured speeds, so both finish at
+about the same time. The device streams the first `share` of a layer's missed experts, in pair order
+(`ops.cache_step`); the engine re-measures the CPU as it runs (`CpuTasks.work`)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
+from engine.config import MissMode
 from engine.expert_cache.device import empty_bank
 from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
 
 
-@dataclass(frozen=True)
-class MissSplit:
-    stream_share: float  # share of missed experts the device reads from host memory
-    link_gbps: float = 0.0  # host -> device read speed
-    cpu_gbps: float = 0.0  # CPU expert compute speed, counted in expert bytes
-
-    def streamed(self, missed: torch.Tensor) -> torch.Tensor:
-        """missed: expert id of every missed pair (host) -> the experts the device reads: the ones with
-        most tokens first (the device gains most from reusing an expert across tokens)."""
-        experts, counts = missed.unique(return_counts=True)
-        num = round(self.stream_share * len(experts))
-        return experts[torch.argsort(counts, descending=True, stable=True)[:num]].sort().values
-
-
-def _seconds(fn, repeats: int = 3) -> float:
+def _seconds(fn: Callable[[], None], repeats: int = 3) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -51,40 +40,42 @@ def measure_link_gbps(device: torch.device, num_bytes: int = 64 << 20) -> float:
 
 
 def measure_cpu_gbps(bank: ExpertWeights, num_experts: int = 8) -> float:
+    """The CPU expert kernel on `num_experts` of the bank's experts, one token: expert bytes per second."""
     experts = torch.arange(min(num_experts, bank.gate.shape[0]))
     x = torch.randn(1, bank.hidden)
     tokens, weights = torch.zeros_like(experts), torch.full((len(experts),), 1.0 / len(experts))
-    per_expert = sum(t[0].numel() for t in (bank.gate, bank.up, bank.down))
     seconds = _seconds(lambda: expert_ffn_cpu(x, tokens, experts, weights, bank))
-    return len(experts) * per_expert / seconds / 1e9
+    return len(experts) * bank.expert_bytes / seconds / 1e9
 
 
 def measure_stream_gbps(bank: ExpertWeights, device: torch.device, num_experts: int = 8) -> float:
     """The device's own speed on missed experts, as a decode step computes them: copied from pinned host
-    memory into VRAM staging rows (`ops.triton.stage`), then the grouped kernel."""
-    from ops.triton import grouped_expert_ffn, stage_experts, tables_from_bank
+    memory into VRAM inside the grouped FFN's kernels."""
+    from ops.triton import Fill, grouped_expert_ffn, tables_from_bank
 
     n = min(num_experts, bank.num_experts)
     first = ExpertWeights(bank.gate[:n], bank.up[:n], bank.down[:n], bank.gate_type, bank.up_type,
                           bank.down_type, bank.hidden, bank.ff)
     src, dst = tables_from_bank(first, device), tables_from_bank(empty_bank(first, n, device), device)
+    fill = Fill(torch.ones(n, dtype=torch.int8, device=device), src)
     experts = torch.arange(n, device=device)
     x = torch.randn(1, bank.hidden, device=device, dtype=torch.bfloat16)
     tokens, weights = torch.zeros_like(experts), torch.full((n,), 1.0, device=device)
 
     def run() -> None:
-        stage_experts(experts, src, dst)
-        grouped_expert_ffn(x, tokens, experts, weights, dst)
+        grouped_expert_ffn(x, tokens, experts, weights, dst, fill=fill)
         torch.cuda.synchronize(device)
 
     return n * first.expert_bytes / _seconds(run) / 1e9
 
 
-def measure_split(mode: str, device: torch.device, bank: ExpertWeights | None, zero_copy: bool = False) -> MissSplit:
-    """`zero_copy`: the device reads misses through pointer tables and stages them itself (else the host
-    stages copies)."""
-    if mode != "hybrid" or bank is None:
-        return MissSplit(1.0 if mode == "stream" else 0.0)
-    link = measure_stream_gbps(bank, device) if zero_copy else measure_link_gbps(device)
+def stream_share(mode: MissMode, device: torch.device, bank: ExpertWeights | None, on_device: bool) -> float:
+    """The share of a layer's missed experts the device streams: 1 (stream), 0 (cpu), or for hybrid
+    link / (link + CPU) from a measurement of each on the model's expert shape."""
+    if not mode.uses_cpu:
+        return 1.0
+    if not mode.streams or bank is None:
+        return 0.0
+    link = measure_stream_gbps(bank, device) if on_device else measure_link_gbps(device)
     cpu = measure_cpu_gbps(bank)
-    return MissSplit(link / (link + cpu), link, cpu)
+    return link / (link + cpu)

@@ -6,28 +6,24 @@ device); the rest from pinned host memory, in runs of consecutive experts (one c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from engine.expert_cache.device import CopyEngine, SlotTable, bank_shape, empty_bank, expert_parts
+from engine.expert_cache.device import CopyEngine, bank_shape, empty_bank, expert_parts
 from ops.cpu_experts import ExpertWeights
 
 
 class LayerStager:
     def __init__(self, host: Mapping[int, ExpertWeights], pools: Mapping[int, ExpertWeights],
-                 group_of: Mapping[int, int], table: SlotTable, copies: CopyEngine) -> None:
-        self.host, self.pools, self.group_of, self.table, self.copies = host, pools, group_of, table, copies
+                 group_of: Mapping[int, int], slots_of: Callable[[int], list[int]], copies: CopyEngine) -> None:
+        """slots_of(layer): the slot (or -1) of each of the layer's experts, as published now."""
+        self.host, self.pools, self.group_of, self.slots_of, self.copies = host, pools, group_of, slots_of, copies
         self.order = sorted(host)
         self.buffers: dict[tuple, list[ExpertWeights]] = {}  # bank shape -> its two buffers
         self.turn: dict[tuple, int] = {}
         self.free: dict[int, torch.cuda.Event] = {}  # id(buffer) -> recorded after its last reader
         self.ready: dict[int, tuple[ExpertWeights, torch.cuda.Event]] = {}  # layer -> (buffer, copied)
-
-    @staticmethod
-    def bytes_needed(host: Mapping[int, ExpertWeights]) -> int:
-        """Two buffers of the largest layer (VRAM to keep free for prefill)."""
-        return 2 * max((b.gate.nbytes + b.up.nbytes + b.down.nbytes for b in host.values()), default=0)
 
     def bank(self, layer: int) -> ExpertWeights:
         """The layer's experts in VRAM, ready for the compute stream; starts copying the next host layer."""
@@ -46,8 +42,11 @@ class LayerStager:
         event.record(torch.cuda.current_stream(buffer.gate.device))
         self.free[id(buffer)] = event
 
-    def discard(self) -> None:
-        """Forget prefetched layers (the step ended before using them)."""
+    def finish(self) -> None:
+        """The step is over: the compute stream waits for any copy still in flight (a prefetched layer the
+        step did not use), so no later step can land an expert in a slot being read."""
+        if self.ready:
+            torch.cuda.current_stream(self.copies.device).wait_stream(self.copies.stream)
         self.ready.clear()
 
     def _upload(self, layer: int) -> None:
@@ -64,7 +63,7 @@ class LayerStager:
 
     def _runs(self, layer: int) -> list[tuple[int, int, int]]:
         """(start, stop, slot): runs of consecutive uncached experts (slot -1), single cached ones."""
-        slots = self.table.host[layer].tolist()[:self.host[layer].gate.shape[0]]
+        slots = self.slots_of(layer)[:self.host[layer].gate.shape[0]]
         runs: list[tuple[int, int, int]] = []
         for expert, slot in enumerate(slots):
             if slot < 0 and runs and runs[-1][2] < 0 and runs[-1][1] == expert:

@@ -10,8 +10,8 @@ from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vect
 
 
 @triton.jit
-def _combine_kernel(y, y_stride, token_ids, num_pairs, out, out_stride, hidden,
-                    BP: tl.constexpr, BH: tl.constexpr):
+def _combine_kernel(y, y_stride, token_ids, num_pairs, out, out_stride, hidden, extra, extra_stride,
+                    BP: tl.constexpr, BH: tl.constexpr, HAS_EXTRA: tl.constexpr):
     # program (token, block of BH columns); reads only the rows of its token's pairs
     token = tl.program_id(0)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -22,21 +22,29 @@ def _combine_kernel(y, y_stride, token_ids, num_pairs, out, out_stride, hidden,
         is_mine = tl.load(token_ids + pairs, mask=pairs < num_pairs, other=-1) == token
         rows = y + pairs.to(tl.int64)[:, None] * y_stride + cols[None, :]
         acc += tl.sum(tl.load(rows, mask=is_mine[:, None] & cmask[None, :], other=0.0), axis=0)
+    if HAS_EXTRA:  # a partial sum computed elsewhere (the CPU's share of the pairs), added last
+        acc += tl.load(extra + token.to(tl.int64) * extra_stride + cols, mask=cmask, other=0.0)
     tl.store(out + token.to(tl.int64) * out_stride + cols, acc.to(out.dtype.element_ty), mask=cmask)
 
 
 def launch_combine(y: torch.Tensor, token_ids: torch.Tensor, out: torch.Tensor, block_pairs: int = 16,
-                   block_cols: int = 256, num_warps: int = 4) -> None:
+                   block_cols: int = 256, num_warps: int = 4, extra: torch.Tensor | None = None) -> None:
     """out[t] = sum of y[p] over the pairs p of token t, in pair order (0 for a token with none).
     NOTE: every row of y is read whose token is in range, so skipped pairs must hold 0 (the down
     launch writes them). y float32 `[pairs, hidden]`; token_ids `[pairs]`; out `[tokens, hidden]`, float32
-    or a 16-bit float (the float32 sum rounded once)."""
+    or a 16-bit float (the float32 sum rounded once). `extra`: float32 rows `[>= tokens, hidden]` added to each
+    token's sum (may be pinned host memory, read in place)."""
     num_pairs, hidden, device = y.shape[0], y.shape[1], y.device
     check_rows("y", y, (num_pairs, hidden), (torch.float32,), device)
     check_vector("token_ids", token_ids, num_pairs, INDEX_DTYPES, device)
     check_rows("out", out, (out.shape[0], hidden), FLOAT_DTYPES, device)
+    if extra is not None and (extra.dtype != torch.float32 or extra.dim() != 2 or extra.shape[0] < out.shape[0]
+                              or extra.shape[1] != hidden or extra.stride(1) != 1):
+        raise ValueError(f"extra: expected float32 [>= {out.shape[0]}, {hidden}], got {extra.dtype} "
+                         f"{tuple(extra.shape)}")
     if out.shape[0] == 0:
         return
     grid = (out.shape[0], triton.cdiv(hidden, block_cols))
     _combine_kernel[grid](y, y.stride(0), token_ids, num_pairs, out, out.stride(0), hidden,
-                          BP=block_pairs, BH=block_cols, num_warps=num_warps)
+                          extra if extra is not None else y, extra.stride(0) if extra is not None else 0,
+                          BP=block_pairs, BH=block_cols, HAS_EXTRA=extra is not None, num_warps=num_warps)

@@ -10,6 +10,7 @@ from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vect
 from ops.triton.gate_up import warps_for
 from ops.triton.pairs import chunk_of, group_of, pair_is_valid, slots, window_for
 from ops.triton.qdot import GROUP, MAGIC, has_kernel, rows_dot
+from ops.triton.stage import COPY_BLOCK, Fill, fill_rows
 from ops.triton.tables import ExpertTables
 
 
@@ -23,9 +24,9 @@ def _store_y(y, y_stride, position, has, weights, rows, rmask, acc):
 def _down_kernel(
     h, h_stride, hs, hs_stride, expert_ids, weights, num_pairs,
     gate_ptrs, up_ptrs, down_ptrs, num_experts, down_row_bytes,
-    y, y_stride, hidden, magic,
+    y, y_stride, hidden, magic, fill_flags, host_down_ptrs,
     DOWN_FMT: tl.constexpr, FF: tl.constexpr,
-    BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr,
+    BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, FILL: tl.constexpr, COPY: tl.constexpr,
 ):
     # program (pair position, block of BR rows of hidden); only the first pair of each expert works
     pid = tl.program_id(0)
@@ -35,6 +36,12 @@ def _down_kernel(
     expert = tl.load(expert_ids + pid)
     is_valid = pair_is_valid(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
     positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
+    if FILL:
+        if count > 0:  # the leader of a streamed miss first copies the rows it computes
+            row0 = tl.program_id(1) * BR
+            fill_rows(fill_flags, host_down_ptrs, down_ptrs, tl.where(is_valid, expert, 0), row0,
+                      tl.minimum(hidden - row0, BR), down_row_bytes, COPY)
+            tl.debug_barrier()  # NOTE: the rows are in VRAM before any thread of the program reads them
     down_addr = tl.load(down_ptrs + tl.where(is_valid, expert, 0))
     # a skipped pair's row is 0, so that every row of y is written and the per-token sum needs no
     # table lookups
@@ -59,10 +66,11 @@ def _down_kernel(
 
 def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 tables: ExpertTables, y: torch.Tensor, block_tokens: int = 1, block_rows: int = 32,
-                num_warps: int | None = None) -> None:
+                num_warps: int | None = None, fill: Fill | None = None) -> None:
     """y[p] = weights[p] * down_e(h[p]) for each computed pair p, 0 for a skipped pair. h float32
     `[pairs, ff]` prepared for the down format (`prepare.launch_prepare`), h_sums `[pairs, ff // 16]`
-    its natural sums; expert_ids, weights `[pairs]`; y float32 `[pairs, hidden]`."""
+    its natural sums; expert_ids, weights `[pairs]`; y float32 `[pairs, hidden]`. With `fill`, the down rows of
+    experts whose flag is set are first copied from host memory (`ops.triton.stage`)."""
     if not has_kernel(tables.down_type):
         raise ValueError(f"no down kernel for {tables.down_type.name}")
     num_pairs, device = expert_ids.shape[0], tables.device
@@ -76,6 +84,8 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
     if block_tokens not in (1, 2, 4) or block_rows < 1 or triton.next_power_of_2(block_rows) != block_rows:
         raise ValueError(f"need block_tokens in 1, 2, 4 and block_rows a power of two, "
                          f"got {block_tokens}, {block_rows}")
+    if fill is not None:
+        fill.check(tables)
     if num_pairs == 0:
         return
     grid = (num_pairs, triton.cdiv(tables.hidden, block_rows))
@@ -83,7 +93,8 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
         h, h.stride(0), h_sums, h_sums.stride(0), expert_ids, weights, num_pairs,
         tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts, tables.down_row_bytes,
         y, y.stride(0), tables.hidden, MAGIC,
+        fill.flags if fill is not None else expert_ids, (fill.host if fill is not None else tables).down_ptrs,
         DOWN_FMT=int(tables.down_type), FF=tables.ff,
-        BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs),
+        BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs), FILL=fill is not None, COPY=COPY_BLOCK,
         num_warps=num_warps or warps_for(block_rows),
     )

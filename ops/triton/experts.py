@@ -11,6 +11,7 @@ sync and a grid that depends only on (pairs, shapes): a decode step can be captu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +24,7 @@ from ops.triton.fallback import down_fallback, gate_up_fallback
 from ops.triton.gate_up import default_block_tokens, launch_gate_up
 from ops.triton.prepare import launch_prepare
 from ops.triton.qdot import GROUP, has_kernel
+from ops.triton.stage import Fill, fill_experts
 from ops.triton.tables import ExpertTables, QType
 
 _TABLE_CACHE_SIZE = 256
@@ -65,11 +67,14 @@ DEFAULT_CONFIG = LaunchConfig()
 
 def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                        tables: ExpertTables, out: torch.Tensor | None = None,
-                       config: LaunchConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                       config: LaunchConfig = DEFAULT_CONFIG, fill: Fill | None = None,
+                       extra: torch.Tensor | None = None, extra_ready: Callable[[], None] | None = None) -> torch.Tensor:
     """x `[tokens, hidden]` (bf16/fp16/fp32); token_ids, expert_ids (int32/int64), weights `[pairs]`
     -> float32 `[tokens, hidden]`, or written into `out` if given (float32 or 16-bit). Pairs with expert
     id -1 (or out of range, or a pointer <= 0) are skipped. Q4_K, Q5_K, Q6_K and Q8_0 run dedicated
-    kernels; other formats a gather + dequantize path."""
+    kernels; other formats a gather + dequantize path. `fill`: experts first copied from host memory to
+    the tables' addresses (inside the kernels that read them); `extra`: float32 `[tokens, hidden]` added,
+    after `extra_ready()` (e.g. a stream wait for whoever writes it)."""
     num_pairs, num_tokens, device = expert_ids.shape[0], x.shape[0], tables.device
     check_rows("x", x, (num_tokens, tables.hidden), FLOAT_DTYPES, device)
     check_vector("token_ids", token_ids, num_pairs, INDEX_DTYPES, device)
@@ -81,18 +86,25 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
     if num_tokens == 0:
         return out
     block_tokens = config.block_tokens or default_block_tokens(num_tokens)
-    h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens)
+    fused = all(has_kernel(t) for t in (tables.gate_type, tables.up_type, tables.down_type))
+    if fill is not None and not fused:  # the fallback reads whole experts: copy them first
+        fill_experts(expert_ids, tables, fill)
+        fill = None
+    h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens, fill)
     if has_kernel(tables.down_type):
         launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens,
-                    block_rows=config.down_rows)
+                    block_rows=config.down_rows, fill=fill)
     else:
         down_fallback(h, expert_ids, weights, tables, y)
-    launch_combine(y, token_ids, out)
+    if extra_ready is not None:
+        extra_ready()
+    launch_combine(y, token_ids, out, extra=extra)
     return out
 
 
 def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, tables: ExpertTables,
-             config: LaunchConfig, block_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             config: LaunchConfig, block_tokens: int,
+             fill: Fill | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h (prepared for the down projection), its sums per 16 columns, and the empty y."""
     num_pairs, device = expert_ids.shape[0], tables.device
     h = torch.empty((num_pairs, tables.ff), dtype=torch.float32, device=device)
@@ -102,7 +114,7 @@ def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
         x_gate, x_sums = launch_prepare(x, tables.gate_type)
         x_up = x_gate if tables.up_type == tables.gate_type else launch_prepare(x, tables.up_type)[0]
         launch_gate_up(x_gate, x_up, x_sums, token_ids, expert_ids, tables, h, h_sums,
-                       block_tokens=block_tokens, block_rows=config.gate_up_rows)
+                       block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill)
     else:
         gate_up_fallback(x, token_ids, expert_ids, tables, h)
         if has_kernel(tables.down_type):

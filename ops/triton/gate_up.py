@@ -9,6 +9,7 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 from ops.triton.checks import INDEX_DTYPES, check_rows, check_vector
 from ops.triton.pairs import chunk_of, group_of, pair_is_valid, slots, window_for
 from ops.triton.qdot import GROUP, MAGIC, has_kernel, read_place, rows_dot
+from ops.triton.stage import COPY_BLOCK, Fill, fill_rows2
 from ops.triton.tables import ExpertTables
 
 
@@ -29,9 +30,10 @@ def _store_h(h, h_stride, hs, hs_stride, position, has, rows, rmask, ff, gate, u
 def _gate_up_kernel(
     x_gate, x_up, x_stride, x_sums, sums_stride, num_tokens, token_ids, expert_ids, num_pairs,
     gate_ptrs, up_ptrs, down_ptrs, num_experts, gate_row_bytes, up_row_bytes,
-    h, h_stride, hs, hs_stride, ff, magic,
+    h, h_stride, hs, hs_stride, ff, magic, fill_flags, host_gate_ptrs, host_up_ptrs,
     GATE_FMT: tl.constexpr, UP_FMT: tl.constexpr, DOWN_FMT: tl.constexpr, HIDDEN: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, GROUP: tl.constexpr,
+    FILL: tl.constexpr, COPY: tl.constexpr,
 ):
     # program (pair position, block of BR rows of ff); only the first pair of each expert works
     pid = tl.program_id(0)
@@ -42,6 +44,12 @@ def _gate_up_kernel(
     is_valid = pair_is_valid(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
     positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
     safe = tl.where(is_valid, expert, 0)
+    if FILL:
+        if count > 0:  # the leader of a streamed miss first copies the rows it computes
+            row0 = tl.program_id(1) * BR
+            fill_rows2(fill_flags, host_gate_ptrs, gate_ptrs, host_up_ptrs, up_ptrs, safe, row0,
+                       tl.minimum(ff - row0, BR), gate_row_bytes, up_row_bytes, COPY)
+            tl.debug_barrier()  # NOTE: the rows are in VRAM before any thread of the program reads them
     gate_addr = tl.load(gate_ptrs + safe)
     up_addr = tl.load(up_ptrs + safe)
     for start in range(0, count, BT):
@@ -89,12 +97,14 @@ def warps_for(block_rows: int) -> int:
 
 def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tensor, token_ids: torch.Tensor,
                    expert_ids: torch.Tensor, tables: ExpertTables, h: torch.Tensor, h_sums: torch.Tensor,
-                   block_tokens: int | None = None, block_rows: int = 16, num_warps: int | None = None) -> None:
+                   block_tokens: int | None = None, block_rows: int = 16, num_warps: int | None = None,
+                   fill: Fill | None = None) -> None:
     """h[p] = silu(gate_e(x[t])) * up_e(x[t]) for each computed pair p = (t, e), prepared for the down
     kernel (`prepare.launch_prepare`'s order and scale for the down format), and h_sums[p] its natural
     sums per 16 rows (`qdot.GROUP`); rows of other pairs are left as they were. x_gate, x_up `[tokens, hidden]`:
     x prepared for the gate and up formats; x_sums `[tokens, hidden // 16]`; token_ids, expert_ids
-    `[pairs]`; h float32 `[pairs, ff]`, h_sums `[pairs, ff // 16]`. block_tokens: 1, 2 or 4."""
+    `[pairs]`; h float32 `[pairs, ff]`, h_sums `[pairs, ff // 16]`. block_tokens: 1, 2 or 4. With `fill`, the
+    gate and up rows of experts whose flag is set are first copied from host memory (`ops.triton.stage`)."""
     if not (has_kernel(tables.gate_type) and has_kernel(tables.up_type)):
         raise ValueError(f"no gate/up kernel for {tables.gate_type.name}/{tables.up_type.name}")
     num_pairs, num_tokens, device = expert_ids.shape[0], x_gate.shape[0], tables.device
@@ -113,15 +123,19 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
                          f"got {bt}, {block_rows}")
     if tables.ff % GROUP:
         raise ValueError(f"ff must be a multiple of {GROUP}, got {tables.ff}")
+    if fill is not None:
+        fill.check(tables)
     if num_pairs == 0:
         return
     down_order = int(tables.down_type) if has_kernel(tables.down_type) else -1
+    source = fill.host if fill is not None else tables
     grid = (num_pairs, triton.cdiv(tables.ff, block_rows))
     _gate_up_kernel[grid](
         x_gate, x_up, x_gate.stride(0), x_sums, x_sums.stride(0), num_tokens, token_ids, expert_ids, num_pairs,
         tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts,
         tables.gate_row_bytes, tables.up_row_bytes, h, h.stride(0), h_sums, h_sums.stride(0), tables.ff, MAGIC,
+        fill.flags if fill is not None else expert_ids, source.gate_ptrs, source.up_ptrs,
         GATE_FMT=int(tables.gate_type), UP_FMT=int(tables.up_type), DOWN_FMT=down_order, HIDDEN=tables.hidden,
-        BT=bt, BR=block_rows, WINDOW=window_for(num_pairs), GROUP=GROUP,
+        BT=bt, BR=block_rows, WINDOW=window_for(num_pairs), GROUP=GROUP, FILL=fill is not None, COPY=COPY_BLOCK,
         num_warps=num_warps or warps_for(block_rows),
     )

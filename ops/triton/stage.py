@@ -1,17 +1,20 @@
-"""Staging of a step's missed experts into VRAM before the grouped FFN reads them.
+"""Copying missed experts from host memory into VRAM inside the expert kernels, and as a launch of its own.
 
-The grouped FFN can read host experts in place (zero-copy), but it waits on each step's loads before
-issuing the next and reaches half the link's speed; a plain copy kernel of 16-byte loads, every block
-independent, reads pinned host memory at the link's speed. So in decode the device first copies each
-missed expert from host memory to its row of a VRAM staging bank, then computes from VRAM.
+The grouped FFN could read host experts in place (zero-copy), but its loads wait on each other and
+reach half the link's speed; plain copies of 16-byte loads with many in flight reach the link's
+speed. So a step's streamed misses are copied first: the program that computes rows r0..r1 of an
+expert copies exactly those rows into the expert's VRAM address (`copy_span`), then computes from
+VRAM. The programs of hits and of misses run in the same launch, so the hits' compute overlaps the
+misses' copies. `fill_experts` is the separate launch, for formats whose FFN has no fused kernel.
 
-Two tables describe the same experts: `src` (a VRAM slot when cached, else host memory) and `dst` (the
-same slot when cached, else the expert's staging row). An expert is copied when its two pointers
-differ, once per step: by the first pair that selects it. No host sync; the grid depends only on the
-number of pairs, so a decode step stays one CUDA graph.
+Which experts to copy is a flag per expert (`Fill.flags`, set by `ops.cache_step.assign_experts`); the
+source is the host table, the destination the table the FFN reads. No host sync; the grid depends only
+on the number of pairs, so a decode step stays one CUDA graph.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
@@ -21,12 +24,68 @@ from ops.triton.checks import INDEX_DTYPES, check_vector
 from ops.triton.pairs import pair_is_valid, window_for
 from ops.triton.tables import ExpertTables
 
-BLOCK = 4096  # bytes per program: 256 lanes x 16-byte loads
+COPY_BLOCK = 4096  # bytes a program has in flight per iteration: 16-byte loads, 2 per thread of 4 warps
+
+
+@dataclass(frozen=True)
+class Fill:
+    """Experts a launch copies from host memory to the addresses of its tables before reading them."""
+
+    flags: torch.Tensor  # int8 [num_experts]: nonzero = copy this step
+    host: ExpertTables  # where their bytes are (same types and shapes as the tables read)
+
+    def check(self, tables: ExpertTables) -> None:
+        check_vector("fill flags", self.flags, tables.num_experts, (torch.int8,), tables.device)
+        if self.host.device != tables.device or self.host.num_experts != tables.num_experts or \
+                (self.host.gate_type, self.host.up_type, self.host.down_type, self.host.hidden, self.host.ff) != \
+                (tables.gate_type, tables.up_type, tables.down_type, tables.hidden, tables.ff):
+            raise ValueError("fill: the host tables describe other experts than the tables read")
 
 
 @triton.jit
-def _stage_kernel(
-    src_ptrs, dst_ptrs, expert_ids, num_pairs,
+def copy_span(src, dst, num_bytes, BLOCK: tl.constexpr):
+    """Copy `num_bytes` from address `src` to address `dst` (both int64, 16-byte aligned)."""
+    offsets = tl.arange(0, BLOCK)
+    src_bytes = tl.multiple_of(src.to(tl.pointer_type(tl.uint8)), 16)
+    dst_bytes = tl.multiple_of(dst.to(tl.pointer_type(tl.uint8)), 16)
+    for start in range(0, num_bytes, BLOCK):
+        o = start + offsets
+        data = tl.load(src_bytes + o, mask=o < num_bytes, other=0)
+        tl.store(dst_bytes + o, data, mask=o < num_bytes)
+
+
+@triton.jit
+def fill_rows(flags, src_ptrs, dst_ptrs, expert, row0, num_rows, row_bytes, BLOCK: tl.constexpr):
+    """Rows row0 .. row0 + num_rows - 1 of `expert`'s matrix from its host address to its table address,
+    if its fill flag is set. Called by the one program that computes those rows, before it reads them."""
+    if tl.load(flags + expert) != 0:
+        offset = row0.to(tl.int64) * row_bytes
+        copy_span(tl.load(src_ptrs + expert) + offset, tl.load(dst_ptrs + expert) + offset,
+                  num_rows * row_bytes, BLOCK)
+
+
+@triton.jit
+def fill_rows2(flags, src_a, dst_a, src_b, dst_b, expert, row0, num_rows, row_bytes_a, row_bytes_b,
+               BLOCK: tl.constexpr):
+    """`fill_rows` of two matrices of the expert (gate and up), their loads in flight together."""
+    if tl.load(flags + expert) != 0:
+        offsets = tl.arange(0, BLOCK)
+        size_a, size_b = num_rows * row_bytes_a, num_rows * row_bytes_b
+        sa = tl.multiple_of((tl.load(src_a + expert) + row0.to(tl.int64) * row_bytes_a).to(tl.pointer_type(tl.uint8)), 16)
+        da = tl.multiple_of((tl.load(dst_a + expert) + row0.to(tl.int64) * row_bytes_a).to(tl.pointer_type(tl.uint8)), 16)
+        sb = tl.multiple_of((tl.load(src_b + expert) + row0.to(tl.int64) * row_bytes_b).to(tl.pointer_type(tl.uint8)), 16)
+        db = tl.multiple_of((tl.load(dst_b + expert) + row0.to(tl.int64) * row_bytes_b).to(tl.pointer_type(tl.uint8)), 16)
+        for start in range(0, tl.maximum(size_a, size_b), BLOCK):
+            o = start + offsets
+            a = tl.load(sa + o, mask=o < size_a, other=0)
+            b = tl.load(sb + o, mask=o < size_b, other=0)
+            tl.store(da + o, a, mask=o < size_a)
+            tl.store(db + o, b, mask=o < size_b)
+
+
+@triton.jit
+def _fill_kernel(
+    flags, src_ptrs, dst_ptrs, expert_ids, num_pairs,
     gate_ptrs, up_ptrs, down_ptrs, num_experts,
     num_bytes, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
 ):
@@ -39,35 +98,30 @@ def _stage_kernel(
     ids = tl.load(expert_ids + positions, mask=positions < num_pairs, other=-1)
     first = tl.min(tl.where(ids == expert, positions, num_pairs), axis=0)
     safe = tl.where(is_valid, expert, 0)
-    src = tl.load(src_ptrs + safe)
-    dst = tl.load(dst_ptrs + safe)
-    size = tl.where(is_valid & (first == pair) & (src != dst), num_bytes, 0)
+    wanted = is_valid & (first == pair) & (tl.load(flags + safe) != 0)
+    size = tl.where(wanted, num_bytes, 0)
     offsets = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    src_bytes = tl.max_contiguous(tl.multiple_of(src.to(tl.pointer_type(tl.uint8)) + offsets, 16), 16)
-    dst_bytes = tl.max_contiguous(tl.multiple_of(dst.to(tl.pointer_type(tl.uint8)) + offsets, 16), 16)
-    data = tl.load(src_bytes, mask=offsets < size, other=0)
-    tl.store(dst_bytes, data, mask=offsets < size)
+    src = tl.multiple_of(tl.load(src_ptrs + safe).to(tl.pointer_type(tl.uint8)), 16)
+    dst = tl.multiple_of(tl.load(dst_ptrs + safe).to(tl.pointer_type(tl.uint8)), 16)
+    data = tl.load(src + offsets, mask=offsets < size, other=0)
+    tl.store(dst + offsets, data, mask=offsets < size)
 
 
-def stage_experts(expert_ids: torch.Tensor, src: ExpertTables, dst: ExpertTables) -> None:
-    """Copy the bytes of every selected expert whose `src` and `dst` pointers differ, `src` -> `dst`
-    (three launches, one per projection). expert_ids `[pairs]`; ids out of range or -1 are skipped."""
-    num_pairs, device = expert_ids.shape[0], src.device
+def fill_experts(expert_ids: torch.Tensor, tables: ExpertTables, fill: Fill) -> None:
+    """Copy every selected expert whose fill flag is set from `fill.host` to `tables` (three launches, one
+    per projection). expert_ids `[pairs]`; ids out of range or -1 are skipped."""
+    num_pairs, device = expert_ids.shape[0], tables.device
     check_vector("expert_ids", expert_ids, num_pairs, INDEX_DTYPES, device)
-    if dst.device != device or dst.num_experts != src.num_experts:
-        raise ValueError(f"dst tables: {dst.num_experts} experts on {dst.device}, src {src.num_experts} on {device}")
-    if (dst.gate_type, dst.up_type, dst.down_type, dst.hidden, dst.ff) != \
-            (src.gate_type, src.up_type, src.down_type, src.hidden, src.ff):
-        raise ValueError("dst tables describe experts of other types or shapes than src")
+    fill.check(tables)
     if num_pairs == 0:
         return
     window = window_for(num_pairs)
-    parts = ((src.gate_ptrs, dst.gate_ptrs, src.ff * src.gate_row_bytes),
-             (src.up_ptrs, dst.up_ptrs, src.ff * src.up_row_bytes),
-             (src.down_ptrs, dst.down_ptrs, src.hidden * src.down_row_bytes))
+    parts = ((fill.host.gate_ptrs, tables.gate_ptrs, tables.ff * tables.gate_row_bytes),
+             (fill.host.up_ptrs, tables.up_ptrs, tables.ff * tables.up_row_bytes),
+             (fill.host.down_ptrs, tables.down_ptrs, tables.hidden * tables.down_row_bytes))
     for src_ptrs, dst_ptrs, num_bytes in parts:
-        _stage_kernel[(num_pairs, triton.cdiv(num_bytes, BLOCK))](
-            src_ptrs, dst_ptrs, expert_ids, num_pairs,
-            src.gate_ptrs, src.up_ptrs, src.down_ptrs, src.num_experts,
-            num_bytes, BLOCK=BLOCK, WINDOW=window,
+        _fill_kernel[(num_pairs, triton.cdiv(num_bytes, COPY_BLOCK))](
+            fill.flags, src_ptrs, dst_ptrs, expert_ids, num_pairs,
+            tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts,
+            num_bytes, BLOCK=COPY_BLOCK, WINDOW=window,
         )

@@ -21,6 +21,7 @@ from engine.expert_cache.placement import choose_placement
 from engine.expert_cache.plan import CacheBudgetError
 from engine.expert_cache.stats import CacheStatsSnapshot
 from engine.llm_engine import LLMEngine
+from engine.routing import make_router
 from engine.types import Request, SamplingParams
 from service.bench.sweep import SweepPoint, cache_config
 
@@ -61,10 +62,11 @@ class CacheDelta:
     uploaded_bytes: int
     streamed_bytes: int
     cpu_experts: int
+    promotions: int = 0  # experts taken into the cache: landed misses and uploads
 
     @classmethod
     def of(cls, s: CacheStatsSnapshot) -> CacheDelta:
-        return cls(s.hits(), s.misses(), s.uploaded_bytes, s.streamed_bytes, s.cpu_experts)
+        return cls(s.hits(), s.misses(), s.uploaded_bytes, s.streamed_bytes, s.cpu_experts, s.promotions)
 
     def minus(self, earlier: CacheDelta) -> CacheDelta:
         return CacheDelta(*(a - b for a, b in zip(_values(self), _values(earlier))))
@@ -75,7 +77,7 @@ class CacheDelta:
 
 
 def _values(d: CacheDelta) -> tuple[int, ...]:
-    return d.hits, d.misses, d.uploaded_bytes, d.streamed_bytes, d.cpu_experts
+    return d.hits, d.misses, d.uploaded_bytes, d.streamed_bytes, d.cpu_experts, d.promotions
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,9 @@ def decode_phases(engine: LLMEngine, prompts: Prompts, settings: RunSettings, ba
 
 def measure(engine: LLMEngine, settings: RunSettings, routing: str) -> list[Phase]:
     """The warm-up run and `repeats` measured runs on the engine's current cache."""
-    engine.set_routing(routing)
+    # a fresh router per configuration: each sees the same routing streams
+    engine.set_router(make_router(routing, engine.weights, engine.scheduler.config.max_num_batched_tokens,
+                                  engine.device))
     prompts, phases = Prompts(engine.weights.hparams.vocab_size, settings.seed), []
     for run in range(settings.repeats + 1):
         phases.append(prefill_phase(engine, prompts, settings, run))

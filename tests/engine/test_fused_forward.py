@@ -31,12 +31,16 @@ def teacher_forced_logits(path: str) -> torch.Tensor:
                                     cache=CacheConfig(), scheduler=SchedulerConfig(max_num_seqs=4,
                                                                                    max_num_batched_tokens=64)))
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
-    steps = [engine.runner.forward([SeqSpan(i, 0, len(p)) for i, p in enumerate(prompts)], prompts, None)]
+    steps: list[torch.Tensor] = []
+
+    def run(spans: list[SeqSpan], tokens: list[list[int]]) -> None:
+        keys = [str(i) for i, t in enumerate(tokens) for _ in t]
+        engine.forward(spans, tokens, keys, lambda logits: steps.append(logits.float()))
+
+    run([SeqSpan(i, 0, len(p)) for i, p in enumerate(prompts)], prompts)
     for t in range(3):
-        spans = [SeqSpan(i, len(p) + t, 1) for i, p in enumerate(prompts)]
-        steps.append(engine.runner.forward(spans, [[7 + t]] * len(prompts), None))
-        engine.cache.end_step()
-    return torch.stack([s.float() for s in steps])
+        run([SeqSpan(i, len(p) + t, 1) for i, p in enumerate(prompts)], [[7 + t]] * len(prompts))
+    return torch.stack(steps)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")

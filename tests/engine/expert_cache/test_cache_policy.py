@@ -1,4 +1,5 @@
-"""Each cache policy's rule on hand-made steps."""
+"""Each cache policy's rule on hand-made steps: where misses land in offered slots (stream, hybrid),
+driven through the device model of `replay.py`, and where the policy uploads them (cpu)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from engine.expert_cache.policy import (
     make_policy,
 )
 from engine.expert_cache.profile import Profile
+from engine.expert_cache.replay import DeviceModel
 
 
 def group(
@@ -34,87 +36,120 @@ def test_config_is_validated() -> None:
         PolicyConfig(decay=1.0)
     with pytest.raises(ValueError, match="lfru_margin"):
         PolicyConfig(lfru_margin=0.5)
+    with pytest.raises(ValueError, match="free_slots"):
+        PolicyConfig(free_slots=-1)
 
 
-# -- lru ---------------------------------------------------------------------------------------------
+# -- landing: misses take offered slots ----------------------------------------------------------------
 
 
-def test_lru_pool_is_shared_across_layers_and_evicts_least_recent() -> None:
-    lru = make_policy("lru", group((3, 40), num_experts=8, top_k=2, num_slots=3), PolicyConfig())
-    assert lru.observe({3: [0, 1], 40: []}) == [Promotion(0, 3, 0, None), Promotion(1, 3, 1, None)]
-    assert lru.observe({3: [0], 40: [5]}) == [Promotion(2, 40, 5, None)]
-    # (3, 1) was used least recently: a layer-40 expert takes its slot.
-    assert lru.observe({40: [6]}) == [Promotion(1, 40, 6, (3, 1))]
-    assert lru.residents() == {(3, 0): 0, (40, 6): 1, (40, 5): 2}
-    assert lru.slot_of(3, 1) is None and lru.slot_of(40, 6) == 1
+def test_every_slot_is_offered_at_start_and_misses_land_in_offer_order() -> None:
+    lru = make_policy("lru", group((3, 40), num_experts=8, top_k=2, num_slots=3), PolicyConfig(free_slots=1))
+    device = DeviceModel(lru, lag=0)
+    assert list(device.rings[0]) == [0, 1, 2]
+    hits, landed, _ = device.step({3: [0, 1], 40: [0, 1]})
+    assert hits == 0 and landed == {(3, 0): 0, (3, 1): 1, (40, 0): 2}  # the fourth miss finds no slot
+    assert lru.residents() == {(3, 0): 0, (3, 1): 1, (40, 0): 2}
+
+
+def test_lru_keeps_free_slots_offered_by_evicting_the_least_recent() -> None:
+    lru = make_policy("lru", group((3, 40), num_experts=8, top_k=2, num_slots=4), PolicyConfig(free_slots=1))
+    device = DeviceModel(lru, lag=0)
+    device.step({3: [0, 1], 40: [2]})  # three land; one slot left offered
+    _, _, decision = device.step({3: [0], 40: [5]})  # (40, 5) takes the last one: (3, 1) is least recent
+    assert decision.evictions == [((3, 1), 1)] and decision.offers == [(0, 1)]
+    assert lru.slot_of(3, 1) is None and lru.offered(0) == frozenset({1})
+    hits, landed, _ = device.step({3: [1]})
+    assert hits == 0 and landed == {(3, 1): 1}
 
 
 def test_lru_never_evicts_an_expert_used_in_the_same_step() -> None:
-    lru = make_policy("lru", group(num_experts=8, top_k=4, num_slots=2), PolicyConfig())
-    first = lru.observe({0: [0, 1, 2, 3]})
-    assert len(first) == 2  # at most num_slots insertions
-    assert lru.residents() == {(0, 0): 0, (0, 1): 1}
-    # (0, 0) hits, so only one slot can take a miss: the one of (0, 1).
-    assert lru.observe({0: [0, 4, 5, 6]}) == [Promotion(1, 0, 4, (0, 1))]
+    lru = make_policy("lru", group(num_experts=8, top_k=2, num_slots=3), PolicyConfig(free_slots=2))
+    device = DeviceModel(lru, lag=0)
+    device.step({0: [0, 1]})
+    _, _, decision = device.step({0: [0, 1, 2]})  # the last slot is taken; 0 and 1 were just used
+    assert decision.evictions == [] and len(lru.offered(0)) == 0
+
+
+def test_decay_keeps_a_landed_expert_only_if_it_outscores_the_weakest() -> None:
+    config = PolicyConfig(free_slots=1, decay=0.9)
+    decay = make_policy("decay", group((0,), num_experts=8, top_k=1, num_slots=3), config)
+    device = DeviceModel(decay, lag=0)
+    for _ in range(3):
+        device.step({0: [1]})  # expert 1: score 2.71
+    device.step({0: [2]})  # 2 lands (score 1): the last slot stays offered
+    assert set(decay.residents()) == {(0, 1), (0, 2)}
+    _, landed, decision = device.step({0: [3]})  # 3 (score 1) lands; 2 has decayed to 0.9 (1: 2.2): 2 goes
+    assert landed == {(0, 3): 2} and decision.evictions == [((0, 2), 1)] and decision.offers == [(0, 1)]
+    assert set(decay.residents()) == {(0, 1), (0, 3)}
+
+
+def test_lfru_gives_back_a_landed_expert_that_is_not_clearly_hotter() -> None:
+    config = PolicyConfig(free_slots=1, lfru_margin=2.0, lfru_halve_every=1000)
+    lfru = make_policy("lfru", group((0,), num_experts=4, top_k=1, num_slots=2), config)
+    device = DeviceModel(lfru, lag=0)
+    for _ in range(3):
+        device.step({0: [0]})  # expert 0: count 3, one slot offered
+    _, landed, decision = device.step({0: [1]})  # 1 (count 1) lands, is not > 2 x 3: its slot is given back
+    assert decision.evictions == [((0, 1), landed[(0, 1)])]
+    assert set(lfru.residents()) == {(0, 0)}
+
+
+def test_scored_policies_split_slots_per_layer_and_land_per_layer() -> None:
+    assert layer_slots(group((4, 5, 6), num_slots=7)) == {4: range(0, 3), 5: range(3, 5), 6: range(5, 7)}
+    decay = make_policy("decay", group((4, 5, 6), num_experts=8, top_k=4, num_slots=14), PolicyConfig())
+    device = DeviceModel(decay, lag=0)
+    _, landed, decision = device.step({4: [0, 1, 2, 3], 5: [0, 1, 2, 3], 6: [0, 1, 2, 3]})
+    assert sorted(landed[(5, e)] for e in range(4) if (5, e) in landed) == [5, 6, 7, 8]  # layer 5: slots 5..9
+    # each ring keeps one slot offered (a quarter of 4 or 5 slots): its weakest landed expert is given back
+    assert all(len(decay.offered(ring)) == 1 for ring in range(3))
+    assert all(layer * 0 + slot in layer_slots(decay.group)[layer] for (layer, _), slot in decay.residents().items())
+
+
+def test_a_cold_cache_fills_in_one_step_where_misses_land() -> None:
+    decay = make_policy("decay", group((0, 1), num_experts=16, top_k=4, num_slots=16), PolicyConfig())
+    device = DeviceModel(decay, lag=1)
+    device.step({0: [0, 1, 2, 3], 1: [4, 5, 6, 7]})
+    assert len(decay.residents()) == 8  # no promote-per-step cap: the copies were the step's own
+
+
+# -- uploads: the cpu miss mode ---------------------------------------------------------------------------
+
+
+def uploads(policy, step: dict[int, list[int]]) -> list[Promotion]:  # noqa: ANN001
+    return policy.observe(step).uploads
+
+
+def test_lru_uploads_every_miss_over_the_least_recent() -> None:
+    lru = make_policy("lru", group((3, 40), num_experts=8, top_k=2, num_slots=3), PolicyConfig(), landing=False)
+    assert lru.start().offers == []  # nothing is offered where misses do not land
+    assert uploads(lru, {3: [0, 1], 40: []}) == [Promotion(0, 3, 0, None), Promotion(1, 3, 1, None)]
+    assert uploads(lru, {3: [0], 40: [5]}) == [Promotion(2, 40, 5, None)]
+    decision = lru.observe({40: [6]})  # (3, 1) was used least recently
+    assert decision.uploads == [Promotion(1, 40, 6, (3, 1))] and decision.evictions == [((3, 1), 1)]
+    assert lru.residents() == {(3, 0): 0, (40, 6): 1, (40, 5): 2}
+
+
+def test_lru_upload_never_evicts_an_expert_used_in_the_same_step() -> None:
+    lru = make_policy("lru", group(num_experts=8, top_k=4, num_slots=2), PolicyConfig(), landing=False)
+    assert len(uploads(lru, {0: [0, 1, 2, 3]})) == 2
+    assert uploads(lru, {0: [0, 4, 5, 6]}) == [Promotion(1, 0, 4, (0, 1))]
     assert lru.slot_of(0, 0) == 0
 
 
-def test_lru_inserts_the_most_used_misses_first() -> None:
-    lru = make_policy("lru", group(num_experts=8, top_k=2, num_slots=1), PolicyConfig())
-    assert lru.observe({0: [1, 2, 2, 3]}) == [Promotion(0, 0, 2, None)]  # two tokens both chose 2
-
-
-def test_lru_warm_start_makes_the_hottest_most_recent() -> None:
-    lru = make_policy("lru", group((0, 1), num_experts=8, top_k=1, num_slots=2), PolicyConfig())
-    profile = Profile({0: {1: 5, 2: 1}, 1: {3: 9}})
-    assert lru.warm_start(profile) == [Promotion(0, 1, 3, None), Promotion(1, 0, 1, None)]
-    assert lru.observe({0: [7]}) == [Promotion(1, 0, 7, (0, 1))]  # the colder (0, 1) goes first
-
-
-# -- decay -------------------------------------------------------------------------------------------
-
-
-def test_decay_score_decays_per_token_and_adds_one_per_use() -> None:
-    decay = DecayPolicy(group(num_experts=4, top_k=1, num_slots=1), PolicyConfig(decay=0.5))
-    decay.observe({0: [0]})
-    decay.observe({0: [1]})
-    assert decay.score(0, 0) == pytest.approx(0.5)
-    decay.observe({0: [1, 1, 2]})  # three tokens: x0.5^3, then +2 and +1
-    assert decay.score(0, 0) == pytest.approx(0.5 * 0.125)
-    assert decay.score(0, 1) == pytest.approx(1 * 0.125 + 2)
-    assert decay.score(0, 2) == pytest.approx(1.0)
-
-
-def test_decay_promotes_only_an_expert_that_outscores_the_weakest_resident() -> None:
-    decay = make_policy("decay", group(num_experts=4, top_k=1, num_slots=1), PolicyConfig(decay=0.9))
-    assert decay.observe({0: [0]}) == [Promotion(0, 0, 0, None)]  # the empty slot fills first
-    for _ in range(4):
-        assert decay.observe({0: [0]}) == []
-    assert decay.observe({0: [1]}) == []  # 1.0 < 0.9 * 4.1
-    assert decay.observe({0: [1, 1, 1, 1]}) != []  # four uses in one step outscore the decayed resident
-    assert decay.residents() == {(0, 1): 0}
-
-
-def test_decay_caps_promotions_per_step_highest_score_first() -> None:
+def test_decay_uploads_at_most_promote_per_step_best_first() -> None:
     config = PolicyConfig(promote_per_step=2)
-    decay = make_policy("decay", group((0, 1, 2), num_experts=8, top_k=1, num_slots=3), config)
-    promotions = decay.observe({0: [1, 2, 3], 1: [5, 5, 6], 2: [7, 7, 7]})
-    assert promotions == [Promotion(2, 2, 7, None), Promotion(1, 1, 5, None)]
+    decay = make_policy("decay", group((0, 1, 2), num_experts=8, top_k=1, num_slots=3), config, landing=False)
+    assert uploads(decay, {0: [1, 2, 3], 1: [5, 5, 6], 2: [7, 7, 7]}) == [Promotion(2, 2, 7, None),
+                                                                          Promotion(1, 1, 5, None)]
 
 
-def test_decay_fills_empty_slots_before_replacing() -> None:
-    config = PolicyConfig(promote_per_step=1)
-    decay = make_policy("decay", group((0, 1), num_experts=8, top_k=1, num_slots=2), config)
-    assert decay.observe({0: [1]}) == [Promotion(0, 0, 1, None)]
-    # Layer 0's miss would gain more (3 - 0.73), but layer 1 still has an empty slot.
-    assert decay.observe({0: [2, 2, 2], 1: [4, 5, 6]}) == [Promotion(1, 1, 4, None)]
-
-
-def test_per_layer_slots_split_evenly_with_the_remainder_first() -> None:
-    assert layer_slots(group((4, 5, 6), num_slots=7)) == {4: range(0, 3), 5: range(3, 5), 6: range(5, 7)}
-    decay = make_policy("decay", group((4, 5, 6), num_experts=8, top_k=4, num_slots=7), PolicyConfig())
-    decay.observe({4: [0, 1, 2, 3], 5: [0, 1, 2, 3], 6: [0, 1, 2, 3]})
-    assert sorted(s for (layer, _), s in decay.residents().items() if layer == 5) == [3, 4]
+def test_decay_upload_replaces_only_a_weaker_resident() -> None:
+    config = PolicyConfig(promote_per_step=4, decay=0.5)
+    decay = make_policy("decay", group(num_experts=8, top_k=1, num_slots=1), config, landing=False)
+    uploads(decay, {0: [1, 1, 1]})
+    assert uploads(decay, {0: [2]}) == []  # 1 (1.5 after decay) outscores 2 (1)
+    assert uploads(decay, {0: [2, 2, 2]})[0].evicted == (0, 1)
 
 
 def test_decay_warm_start_seeds_steady_state_scores_per_layer() -> None:
@@ -125,21 +160,8 @@ def test_decay_warm_start_seeds_steady_state_scores_per_layer() -> None:
     assert decay.score(1, 3) == pytest.approx(1.0 / (1 - 0.9))
 
 
-# -- lfru --------------------------------------------------------------------------------------------
-
-
-def test_lfru_replaces_only_when_clearly_hotter() -> None:
-    config = PolicyConfig(lfru_margin=2.0, lfru_halve_every=1000)
-    lfru = make_policy("lfru", group(num_experts=4, top_k=1, num_slots=1), config)
-    lfru.observe({0: [0]})
-    lfru.observe({0: [0]})  # resident count 2
-    for _ in range(4):
-        assert lfru.observe({0: [1]}) == []  # 4 is not > 2 x 2
-    assert lfru.observe({0: [1]}) == [Promotion(0, 0, 1, (0, 0))]
-
-
 def test_lfru_halves_counts_periodically() -> None:
-    lfru = LfruPolicy(group(num_experts=4, top_k=1, num_slots=1), PolicyConfig(lfru_halve_every=2))
+    lfru = LfruPolicy(group(num_experts=4, top_k=1, num_slots=1), PolicyConfig(lfru_halve_every=2), landing=False)
     scores = []
     for _ in range(5):
         lfru.observe({0: [0]})
@@ -162,17 +184,18 @@ def test_static_needs_a_profile() -> None:
         make_policy("static", group(), PolicyConfig())
 
 
-def test_static_caches_the_groups_most_used_experts_and_never_changes() -> None:
+@pytest.mark.parametrize("landing", [True, False])
+def test_static_caches_the_groups_most_used_experts_and_never_changes(landing: bool) -> None:
     profile = Profile({0: {1: 10, 2: 1}, 1: {3: 7, 4: 5, 5: 2}})
-    static = make_policy(
-        "static", group((0, 1), num_experts=8, top_k=1, num_slots=3), PolicyConfig(), profile
-    )
+    static = make_policy("static", group((0, 1), num_experts=8, top_k=1, num_slots=3), PolicyConfig(), profile,
+                         landing)
     assert static.residents() == {}  # filled by warm_start, whose promotions the caller uploads
     assert len(static.warm_start(profile)) == 3
     assert set(static.residents()) == {(0, 1), (1, 3), (1, 4)}
+    assert not static.start()  # nothing offered
     before = static.residents()
     for _ in range(5):
-        assert static.observe({0: [6], 1: [7]}) == []
+        assert not static.observe({0: [6], 1: [7]})
     assert static.residents() == before
     assert static.warm_start(profile) == []  # already in place
 
@@ -189,12 +212,19 @@ def test_policies_reject_foreign_layers_and_ids(name: str) -> None:
         policy.observe({2: [4]})
 
 
+def test_a_landing_in_a_slot_never_offered_is_refused() -> None:
+    policy = make_policy("lru", group(num_slots=2), PolicyConfig())
+    with pytest.raises(ValueError, match="not offered"):
+        policy.observe({0: [1]}, {(0, 1): 0})
+
+
 def test_profile_for_another_model_is_rejected() -> None:
     with pytest.raises(ValueError, match="has 4"):
         make_policy("lru", group(num_experts=4), PolicyConfig(), Profile({0: {9: 1}}))
 
 
 @pytest.mark.parametrize("name", ["lru", "decay", "lfru"])
-def test_group_without_slots_never_promotes(name: str) -> None:
-    policy = make_policy(name, group(num_slots=0), PolicyConfig())
-    assert policy.observe({0: [1]}) == [] and policy.residents() == {}
+@pytest.mark.parametrize("landing", [True, False])
+def test_group_without_slots_never_promotes(name: str, landing: bool) -> None:
+    policy = make_policy(name, group(num_slots=0), PolicyConfig(), landing=landing)
+    assert not policy.start() and not policy.observe({0: [1]}) and policy.residents() == {}

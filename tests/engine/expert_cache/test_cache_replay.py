@@ -23,13 +23,17 @@ def one_group(num_slots: int, layers: tuple[int, ...] = (0,), top_k: int = 1) ->
     return CachePlan((GroupPlan(0, layers, 8, top_k, 1, num_slots),), budget_bytes=num_slots)
 
 
-def test_lru_replay_counts_hits_before_each_step() -> None:
+def test_lru_replay_counts_hits_before_each_step_and_applies_decisions_a_step_late() -> None:
     trace = trace_of([[[0]], [[0]], [[1]], [[0]], [[2]], [[1]]])
-    # misses 0, hit 0, miss 1, hit 0, miss 2 (evicts 1, least recent), miss 1
+    # 0 lands, hit 0, 1 lands (the host evicts 0 to keep a slot offered), 0 still hits (the eviction applies
+    # after the next step), 2 lands in 0's slot (the host evicts 1), 1 still hits
     result = replay(trace, one_group(2), "lru", PolicyConfig())
-    assert result.hit_ratio == pytest.approx(2 / 6)
-    assert result.per_group == {0: pytest.approx(2 / 6)}
-    assert result.promotions == 4
+    assert result.hit_ratio == pytest.approx(3 / 6)
+    assert result.per_group == {0: pytest.approx(3 / 6)}
+    assert result.promotions == 3
+    uploads = replay(trace, one_group(2), "lru", PolicyConfig(), landing=False)  # cpu: misses uploaded
+    # uploaded 0, 1, 2; a copy publishes after the next step, so 0 misses at t1 and 1 still hits at t5
+    assert uploads.hit_ratio == pytest.approx(2 / 6) and uploads.promotions == 3
 
 
 def test_uncached_groups_miss_and_layers_outside_the_plan_do_not_count() -> None:

@@ -1,4 +1,5 @@
-"""Invariants every policy keeps on random routings, slot counts, configs and step sequences."""
+"""Invariants every policy keeps on random routings, slot counts, configs and step sequences, driven through
+the device model of the cache protocol (`replay.DeviceModel`), with misses landing or uploaded."""
 
 from __future__ import annotations
 
@@ -8,16 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.expert_cache.plan import GroupPlan
-from engine.expert_cache.policy import (
-    POLICIES,
-    CachePolicy,
-    PolicyConfig,
-    Promotion,
-    ScoredPolicy,
-    layer_slots,
-    make_policy,
-)
+from engine.expert_cache.policy import POLICIES, CachePolicy, Decision, PolicyConfig, ScoredPolicy, make_policy
 from engine.expert_cache.profile import Profile
+from engine.expert_cache.replay import DeviceModel
 
 Step = dict[int, list[int]]
 
@@ -29,6 +23,8 @@ class Case:
     config: PolicyConfig
     profile: Profile | None
     steps: list[Step]
+    landing: bool
+    lag: int
 
 
 @st.composite
@@ -42,74 +38,82 @@ def cases(draw: st.DrawFn) -> Case:
         decay=draw(st.floats(0.3, 0.95)),
         lfru_halve_every=draw(st.integers(1, 4)),
         lfru_margin=draw(st.floats(1.0, 3.0)),
+        free_slots=draw(st.integers(0, 3)),
     )
     token = st.lists(st.integers(0, num_experts - 1), min_size=top_k, max_size=top_k, unique=True)
 
     def step(num_tokens: int) -> Step:
         return {layer: [e for _ in range(num_tokens) for e in draw(token)] for layer in layers}
 
-    steps = [step(draw(st.integers(1, 4))) for _ in range(draw(st.integers(1, 12)))]
+    steps = [step(draw(st.integers(1, 4))) for _ in range(draw(st.integers(1, 14)))]
     name = draw(st.sampled_from(POLICIES))
     counts = st.dictionaries(st.integers(0, num_experts - 1), st.integers(0, 50), max_size=num_experts)
     profile: Profile | None = Profile({layer: draw(counts) for layer in layers})
     if name != "static" and draw(st.booleans()):
         profile = None
-    return Case(name, GroupPlan(0, layers, num_experts, top_k, 1, num_slots), config, profile, steps)
+    return Case(name, GroupPlan(0, layers, num_experts, top_k, 1, num_slots), config, profile, steps,
+                draw(st.booleans()), draw(st.integers(0, 2)))
 
 
-def check_state(policy: CachePolicy, group: GroupPlan) -> None:
-    residents = policy.residents()
+def check_state(policy: CachePolicy, device: DeviceModel) -> None:
+    residents, group = policy.residents(), policy.group
     # NOTE: a slot holds at most one expert and an expert at most one slot.
     assert len(set(residents.values())) == len(residents) <= group.num_slots
     assert all(0 <= slot < group.num_slots for slot in residents.values())
     assert all(policy.slot_of(layer, e) == slot for (layer, e), slot in residents.items())
-    if isinstance(policy, ScoredPolicy):
-        ranges = layer_slots(group)
-        assert all(slot in ranges[layer] for (layer, _), slot in residents.items())
+    for ring, r in enumerate(policy.rings):
+        offered = policy.offered(ring)
+        # NOTE: an offered slot holds no expert, and belongs to its ring
+        assert offered <= set(r.slots) and not offered & set(residents.values())
+        assert all(policy.ring_of(layer) == ring for layer in r.layers)
+    for (layer, _), slot in residents.items():
+        assert slot in policy.rings[policy.ring_of(layer)].slots
+    # NOTE: the device publishes an expert only in a slot that holds its bytes (evictions apply before
+    # the uploads or landings that reuse the slot)
+    assert all(device.content.get(slot) == expert for expert, slot in device.published.items())
 
 
-def check_promotions(before: dict, after: dict, promotions: list[Promotion], step: Step | None) -> None:
-    """Applying the promotions, in order, to the state before gives the state after."""
-    held = {slot: expert for expert, slot in before.items()}
-    assert len({p.slot for p in promotions}) == len(promotions)  # one copy per slot per step
-    for p in promotions:
-        assert held.get(p.slot) == p.evicted
-        assert (p.layer, p.expert) not in before
-        assert step is None or p.expert in step[p.layer]  # only this step's misses are promoted
-        held[p.slot] = (p.layer, p.expert)
-    assert {expert: slot for slot, expert in held.items()} == after
-
-
-def check_rule(policy: CachePolicy, case: Case, promotions: list[Promotion], step: Step) -> None:
+def check_decision(policy: CachePolicy, case: Case, before: dict, decision: Decision, step: Step,
+                   landed: dict) -> None:
+    after = policy.residents()
+    evicted = {expert for expert, _ in decision.evictions}
+    assert all(expert in before or expert in landed for expert in evicted)
+    assert not evicted & set(after)
+    if case.landing:
+        assert decision.uploads == []
+        assert set(after) == (set(before) | set(landed)) - evicted
+    else:
+        assert landed == {} and decision.offers == []
+        for p in decision.uploads:
+            assert (p.layer, p.expert) not in before and p.expert in step[p.layer]  # only this step's misses
     if case.name == "lru":
         used = {(layer, e) for layer, ids in step.items() for e in ids}
-        assert len(promotions) <= case.group.num_slots
-        assert all(p.evicted not in used for p in promotions)
+        assert not (evicted - set(landed)) & used  # an expert used in the step is not evicted for it
     elif case.name == "static":
-        assert promotions == []
-    else:
-        assert isinstance(policy, ScoredPolicy)
-        assert len(promotions) <= case.config.promote_per_step
+        assert not decision
+    elif not case.landing:
+        assert len(decision.uploads) <= case.config.promote_per_step
+    if isinstance(policy, ScoredPolicy) and case.landing:
         margin = case.config.lfru_margin if case.name == "lfru" else 1.0
-        for p in promotions:
-            if p.evicted is not None:  # never evict a resident for a colder expert
-                assert policy.score(p.layer, p.expert) > margin * policy.score(*p.evicted)
+        for (layer, e) in evicted - set(landed):
+            for kept in set(landed) - evicted:  # a landed expert kept over a resident must beat it
+                if kept[0] == layer:
+                    assert policy.score(*kept) > margin * policy.score(layer, e) or \
+                        policy.score(*kept) >= policy.score(layer, e)
 
 
 @settings(max_examples=300, deadline=None)
 @given(case=cases())
 def test_policy_invariants(case: Case) -> None:
-    policy = make_policy(case.name, case.group, case.config, case.profile)
-    if case.profile is not None:
-        warm = policy.warm_start(case.profile)
-        check_state(policy, case.group)
-        check_promotions({}, policy.residents(), warm, None)
+    policy = make_policy(case.name, case.group, case.config, case.profile, case.landing)
+    warm = policy.warm_start(case.profile) if case.profile is not None else []
     if case.name == "static":
         assert case.profile is not None
         assert set(policy.residents()) == set(case.profile.top(case.group.layers, case.group.num_slots))
+    device = DeviceModel(policy, lag=case.lag, uploads=warm)
+    check_state(policy, device)
     for step in case.steps:
         before = policy.residents()
-        promotions = policy.observe(step)
-        check_state(policy, case.group)
-        check_promotions(before, policy.residents(), promotions, step)
-        check_rule(policy, case, promotions, step)
+        _, landed, decision = device.step(step)
+        check_state(policy, device)
+        check_decision(policy, case, before, decision, step, landed)

@@ -14,6 +14,8 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.gguf.reader import GGUFFile
 from engine.llm_engine import LLMEngine
+from engine.moe import TopKRouter
+from engine.routing import ReplayRouter, make_router
 from engine.synth import PRESETS, with_overrides, write_synth
 from engine.weights import load_weights
 from ops.quants import QType
@@ -156,12 +158,13 @@ def test_each_configuration_replays_the_same_routing(tiny_model: Path) -> None:
     try:
         streams = []
         for _ in range(2):
-            engine.set_routing("synthetic:qwen3")
-            assert engine.routing is not None
-            streams.append([engine.routing.next_step(2) for _ in range(5)])  # 5 tokens of 2 streams
+            router = make_router("synthetic:qwen3", engine.weights, 32, engine.device)
+            engine.set_router(router)
+            assert isinstance(router, ReplayRouter)
+            streams.append([router.source.next_step(2) for _ in range(5)])  # 5 tokens of 2 streams
         assert all((a == b).all() for a, b in zip(*streams))
-        with pytest.raises(ValueError, match="keeps that kind"):
-            engine.set_routing("model")  # the engine was built with a replaced routing
+        engine.set_router(make_router("model", engine.weights, 32, engine.device))
+        assert isinstance(engine.model.router, TopKRouter)
     finally:
         engine.close()
 

@@ -1,0 +1,170 @@
+"""The expert cache as the engine sees it: a dispatcher the model calls for every MoE layer, a manager
+that owns the slots, the policies and the copies, and observers of each step's record. The engine drives
+it around each step:
+
+    prepare_step()   before the launch: the table changes decided so far go to pinned memory
+    launched()       just after the launch: uploads start (ordered after the launched step)
+    process()        while the step computes: the previous step's record -> observers and policies
+    step_done()      after the step synchronized: take its record for the next `process`
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from engine.config import CacheConfig
+from engine.expert_cache.cpu_tasks import CpuTasks, CpuWork
+from engine.expert_cache.device import bank_shape
+from engine.expert_cache.dispatch import ExpertDispatcher
+from engine.expert_cache.manager import CacheManager
+from engine.expert_cache.observers import CacheObservers
+from engine.expert_cache.placement import Placement, choose_placement
+from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
+from engine.expert_cache.profile import Profile
+from engine.expert_cache.record import StepRecord
+from engine.expert_cache.split import stream_share
+from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot
+from engine.expert_cache.store import ExpertStore
+from ops.grouped_gemm import CHUNK_BYTES
+
+log = logging.getLogger(__name__)
+
+
+class ExpertCache:
+    def __init__(self, dispatcher: ExpertDispatcher, manager: CacheManager, observers: CacheObservers,
+                 placement: Placement, plan: CachePlan, cfg: CacheConfig, stats: CacheStats, top_k: int,
+                 cpu: CpuTasks | None) -> None:
+        self.dispatcher, self.manager, self.observers = dispatcher, manager, observers
+        self.placement, self.plan, self.cfg, self.stats, self.top_k, self.cpu = \
+            placement, plan, cfg, stats, top_k, cpu
+        self._pending: StepRecord | None = None
+
+    # -- around each step ---------------------------------------------------------------------------------
+    def prepare_step(self) -> None:
+        self.dispatcher.prepare(self.manager.changes())
+
+    def launched(self) -> None:
+        self.manager.start_uploads()
+
+    def process(self) -> None:
+        """The previous step's record: observers, then (decode steps) the policies. Off the critical path."""
+        record, self._pending = self._pending, None
+        if record is None:
+            return
+        self.observers.observe(record)
+        if not record.is_prefill:  # NOTE: prefill never changes the cache
+            self.manager.observe(record)
+
+    def step_done(self) -> StepRecord:
+        """Take the finished step's record (to be processed while the next step runs)."""
+        self.process()  # a record not processed yet (no step ran meanwhile) goes first
+        self._pending = self.dispatcher.take_record()
+        return self._pending
+
+    def flush(self) -> None:
+        """Process what is pending (the engine is idle: stats complete)."""
+        self.process()
+
+    # -- introspection ----------------------------------------------------------------------------------
+    def table_residents(self) -> dict[tuple[int, int], int]:
+        """Published (layer, expert) -> slot, as the next step will see them."""
+        rows = self.dispatcher.rows
+        return {(layer, int(e)): int(self.manager.published[row, e])
+                for layer, row in rows.items() if layer in self.placement.host_layers
+                for e in np.nonzero(self.manager.published[row] >= 0)[0]}
+
+    def usage_snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        """Recent use `[layers, experts]` (picks, decayed x0.95 per step) and where each expert is now:
+        2 resident on the device, 1 cached in a slot, 0 in host RAM only (-1: a dense layer)."""
+        usage = self.observers.usage
+        where = np.full(usage.shape, -1, dtype=np.int8)
+        where[list(self.placement.host_layers)] = 0
+        where[list(self.placement.resident_layers)] = 2
+        for layer in self.placement.host_layers:
+            where[layer][self.manager.published[self.dispatcher.rows[layer]] >= 0] = 1
+        return usage.copy(), where
+
+    def snapshot(self) -> CacheStatsSnapshot:
+        return self.stats.snapshot()
+
+    def cpu_work(self) -> CpuWork:
+        return self.cpu.work() if self.cpu is not None else CpuWork()
+
+    def describe(self) -> str:
+        p, plan = self.placement, self.plan
+        if not p.host_layers:
+            return f"experts: {p.reason}"
+        return (f"experts: {p.reason}; {len(p.host_layers)} layers in host RAM, {len(p.resident_layers)} resident; "
+                f"cache {plan.cache_bytes / 2**20:.0f} MiB, {plan.num_slots} slots ({plan.share:.1%} of host "
+                f"experts), policy {self.cfg.policy}, misses on {self.cfg.miss_mode}")
+
+    def close(self) -> list[str]:
+        self.flush()
+        self.manager.close()
+        if self.observers.profile is not None and self.cfg.profile_out:
+            self.observers.profile.save(self.cfg.profile_out)
+        return self.stats.summary_lines()
+
+
+def default_cpu_threads(device: torch.device) -> int:
+    """Threads of the CPU expert kernel: with a GPU, leave two cores to the thread that launches GPU
+    work and to the CUDA runtime (an oversubscribed team stalls on its slowest thread: 5x slower
+    measured on the H200 host)."""
+    cores = os.cpu_count() or 1
+    return max(1, cores - 2) if device.type == "cuda" and cores > 4 else cores
+
+
+def on_device(device: torch.device) -> bool:
+    """The expert path runs the Triton kernels (CUDA with Triton); else torch references and CPU kernels."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_expert_cache(store: ExpertStore, cfg: CacheConfig, max_tokens: int, moe_layers: list[int],
+                       num_layers: int, reserved_bytes: int = 0) -> ExpertCache:
+    """Place the experts, plan the cache for the budget, and set up its parts over `store`. `max_tokens`:
+    the most tokens a step computes (sizes the step record and the CPU job)."""
+    hp, device = store.hparams, store.device
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    if device.type == "cuda":  # prefill: two staged layers and the dequantized chunk; decode: staging banks
+        reserved_bytes += 2 * max(store.layer_bytes().values(), default=0) + CHUNK_BYTES
+        if cfg.mode.streams:
+            reserved_bytes += staging_bytes(store)
+    placement = choose_placement(store.layer_bytes(), cfg, free, reserved_bytes)
+    layers = [LayerExperts(i, hp.num_experts, hp.top_k, store.expert_bytes(i), bank_shape(store.mapped[i]))
+              for i in placement.host_layers]
+    plan = plan_cache(layers, placement.budget_bytes)
+    for warning in plan.warnings:
+        log.warning(warning)
+    store.keep_resident(set(placement.resident_layers))
+    host = {i: store.host(i) for i in placement.host_layers}
+    resident = {i: store.resident(i) for i in placement.resident_layers}
+    profile = Profile.load(cfg.profile_in) if cfg.profile_in else None
+    stats = CacheStats(plan.cache_bytes, plan.num_slots)
+    rows = {layer: i for i, layer in enumerate(moe_layers)}
+    device_path = on_device(device)
+    cpu = CpuTasks(host, max_tokens, hp.top_k, hp.hidden, device, cfg.cpu_threads or default_cpu_threads(device)) \
+        if cfg.mode.uses_cpu and host else None
+    share = stream_share(cfg.mode, device, next(iter(host.values()), None), device_path)
+    manager = CacheManager(host, plan, cfg, device, rows, len(moe_layers), hp.num_experts, stats, profile, share)
+    dispatcher = ExpertDispatcher(host, resident, manager, cfg, device, moe_layers, hp.top_k, max_tokens, cpu,
+                                  device_path)
+    observers = CacheObservers(stats, plan, moe_layers, list(placement.host_layers),
+                               {i: store.expert_bytes(i) for i in placement.host_layers}, num_layers,
+                               hp.num_experts, profile=cfg.profile_out is not None)
+    return ExpertCache(dispatcher, manager, observers, placement, plan, cfg, stats, hp.top_k, cpu)
+
+
+def staging_bytes(store: ExpertStore) -> int:
+    """VRAM of the staging banks the manager allocates (one bank of every expert, per expert shape)."""
+    shapes = {bank_shape(b): b for b in store.mapped.values()}
+    return sum(b.num_experts * b.expert_bytes for b in shapes.values())

@@ -1,0 +1,191 @@
+"""The expert dispatcher: what the model calls for every MoE layer. It computes each (token, expert) pair
+of the step exactly once: resident layers on the device; host layers' hits from their cache slots,
+misses streamed by the device (copied from pinned host memory inside the expert kernels, landing in a
+free slot when the policy offered one) or computed by the CPU (a host node beside the device's work).
+
+The step kind is decided once per step: a decode step (up to `max_cached_batch` tokens) uses the cache
+as above, with no host sync, so it is captured as one CUDA graph; a larger batch (a prompt) stages
+whole host layers in VRAM and reads the cache without changing it. Everything a step decided is in its
+record (`record.py`), which the forward copies to the host as its last operation.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+
+import torch
+
+from engine.config import CacheConfig
+from engine.expert_cache.cpu_tasks import CpuTasks
+from engine.expert_cache.manager import Change, CacheManager
+from engine.expert_cache.record import HIT, LANDED, ON_CPU, PAD, STAGED, RecordBuffers, StepRecord
+from engine.expert_cache.staging import LayerStager
+from engine.moe import flatten_pairs
+from ops.cache_step import assign_experts, begin_step
+from ops.cpu_experts import ExpertWeights
+from ops.expert_ffn import expert_ffn
+from ops.grouped_gemm import grouped_gemm_available, grouped_gemm_ffn
+
+
+class StepKind(enum.Enum):
+    DECODE = "decode"  # the cache serves, misses land
+    PREFILL = "prefill"  # host layers staged whole; the cache is read, never changed
+
+
+class ExpertDispatcher:
+    def __init__(self, host: Mapping[int, ExpertWeights], resident: Mapping[int, ExpertWeights],
+                 manager: CacheManager, cfg: CacheConfig, device: torch.device, moe_layers: list[int], top_k: int,
+                 max_tokens: int, cpu: CpuTasks | None, on_device: bool) -> None:
+        self.host, self.resident, self.manager, self.cfg, self.device = host, resident, manager, cfg, device
+        self.mode, self.top_k, self.cpu = cfg.mode, top_k, cpu
+        self.rows = {layer: i for i, layer in enumerate(moe_layers)}
+        self.record = RecordBuffers(len(moe_layers), max_tokens * top_k, device)
+        resident_rows = [self.rows[layer] for layer in sorted(resident)]
+        self.resident_rows = torch.tensor(resident_rows, dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        self.header = torch.zeros(2, dtype=torch.int64, pin_memory=pin)  # changes, previous step's pairs
+        self.changes = torch.zeros((manager.max_changes, 4), dtype=torch.int64, pin_memory=pin)
+        self.on_device = on_device  # the Triton kernels (CUDA); else torch references and the CPU kernels
+        self.stager = LayerStager(host, manager.pools, manager.group_of, manager.slots_of, manager.copies) \
+            if on_device and host else None
+        self.kind, self.pairs, self.num_tokens, self.previous_pairs = StepKind.DECODE, 0, 0, 0
+        self._resident_ids: list[torch.Tensor] = []
+        if on_device:
+            self._device_tables()
+
+    def _device_tables(self) -> None:
+        from ops.triton import ExpertTables, Fill, tables_from_bank  # Triton: CUDA only
+
+        t = self.manager.tables
+        self.resident_tables = {layer: tables_from_bank(bank, self.device) for layer, bank in self.resident.items()}
+
+        def view(ptrs: torch.Tensor, bank: ExpertWeights) -> ExpertTables:
+            return ExpertTables(ptrs[0], ptrs[1], ptrs[2], bank.gate_type, bank.up_type, bank.down_type,
+                                bank.hidden, bank.ff)
+
+        self.cur = {layer: view(t.cur[self.rows[layer]], bank) for layer, bank in self.host.items()}
+        self.fill = {layer: Fill(t.fill[self.rows[layer]], view(t.host[self.rows[layer]], bank))
+                     for layer, bank in self.host.items()} if self.mode.streams else {}
+
+    @property
+    def is_graph_safe(self) -> bool:
+        """A decode step makes no host sync: it can be captured as a CUDA graph."""
+        return self.on_device and (self.cpu is None or self.cpu.is_native)
+
+    # -- the host, before a step is launched ------------------------------------------------------------
+    def prepare(self, changes: list[Change]) -> None:
+        """The table changes and the previous step's landings for the next `begin_step` (pinned memory
+        the device reads when the step runs; the previous step has finished)."""
+        if len(changes) > self.changes.shape[0]:
+            raise RuntimeError(f"{len(changes)} cache table changes in one step (room for {self.changes.shape[0]})")
+        if changes:
+            self.changes[:len(changes)] = torch.tensor(changes, dtype=torch.int64)
+        self.header[0], self.header[1] = len(changes), self.previous_pairs
+
+    # -- the step: inside the forward pass, captured in graphs -----------------------------------------
+    def begin_step(self, num_tokens: int) -> None:
+        self.kind = StepKind.PREFILL if num_tokens > self.cfg.max_cached_batch else StepKind.DECODE
+        self.num_tokens, self.pairs = num_tokens, num_tokens * self.top_k
+        self._resident_ids = []
+        begin_step(self.manager.tables, self.record.device, self.header, self.changes)
+        self.record.device[:, :, :self.pairs] = -1  # after the landings of the last step are published
+
+    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x `[tokens, hidden]`, expert_ids and weights `[tokens, top_k]` -> `sum_k w * expert_k(x)`."""
+        if layer in self.resident:
+            self._resident_ids.append(expert_ids)
+            return self._resident_ffn(layer, x, expert_ids, weights)
+        if self.kind is StepKind.PREFILL:
+            return self._prefill(layer, x, expert_ids, weights)
+        return self._decode(layer, x, expert_ids, weights)
+
+    def end_step(self) -> None:
+        if self.stager is not None and self.kind is StepKind.PREFILL:
+            self.stager.finish()
+        if self._resident_ids:
+            ids = torch.stack([i.flatten() for i in self._resident_ids]).to(torch.int32)
+            self.record.device[0, self.resident_rows, :self.pairs] = ids
+        self.record.copy_to_host(self.pairs)
+
+    def replayed(self, num_tokens: int, padded: int) -> None:
+        """A captured decode step of `padded` tokens ran for `num_tokens` of them."""
+        self.kind, self.num_tokens, self.pairs = StepKind.DECODE, num_tokens, padded * self.top_k
+
+    def take_record(self) -> StepRecord:
+        """The finished step's record (after it synchronized); remembers its landings for the next step."""
+        is_prefill = self.kind is StepKind.PREFILL
+        self.previous_pairs = 0 if is_prefill else self.pairs
+        return self.record.take(self.pairs, self.num_tokens, is_prefill)
+
+    # -- paths ----------------------------------------------------------------------------------------------
+    def _resident_ffn(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+        bank = self.resident[layer]
+        if not self.on_device:
+            return expert_ffn(x, *flatten_pairs(expert_ids, weights), bank).to(x.dtype)
+        if self.kind is StepKind.PREFILL and grouped_gemm_available(self.device):
+            return grouped_gemm_ffn(x, expert_ids, weights, bank).to(x.dtype)
+        from ops.triton import grouped_expert_ffn
+        tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
+        return grouped_expert_ffn(x, tokens, experts, pair_weights, self.resident_tables[layer], torch.empty_like(x))
+
+    def _decode(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        row = self.rows[layer]
+        job = self.cpu.job if self.cpu is not None else None
+        # NOTE: exactly once: each pair is a hit, streamed (filled, maybe landing) or the CPU's, never two
+        assign_experts(row, expert_ids, weights, x, self.manager.tables, self.record.device[:, row],
+                       landing=self.mode.streams, job=job)
+        if not self.on_device:
+            return self._decode_in_place(layer, x, expert_ids, weights)
+        from ops.triton import grouped_expert_ffn
+        join: Callable[[], None] | None = self.cpu.launch(layer) if self.cpu is not None else None
+        tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
+        return grouped_expert_ffn(x, tokens, experts, pair_weights, self.cur[layer], torch.empty_like(x),
+                                  fill=self.fill.get(layer), extra=job.out if job is not None else None,
+                                  extra_ready=join)
+
+    def _decode_in_place(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+        """The decode step where the device is the CPU: host memory is the device's, so staged misses are
+        read in place and a landing is a copy of the expert into its slot."""
+        row, n = self.rows[layer], expert_ids.numel()
+        outcome, slot = (self.record.device[i, row, :n].long() for i in (1, 2))
+        tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
+        host, pool = self.host[layer], self.manager.pools.get(self.manager.group_of[layer])
+        for e, s in {(int(e), int(s)) for e, s in zip(experts[outcome == LANDED], slot[outcome == LANDED])}:
+            for dst, src in zip((pool.gate, pool.up, pool.down), (host.gate, host.up, host.down)):  # type: ignore
+                dst[s] = src[e]
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        in_pool = (outcome == HIT) | (outcome == LANDED)
+        if bool(in_pool.any()):
+            assert pool is not None, "hits and landings are in a cached group's pool"
+            out += expert_ffn(x, tokens[in_pool], slot[in_pool], pair_weights[in_pool], pool)
+        staged = outcome == STAGED
+        if bool(staged.any()):
+            out += expert_ffn(x, tokens[staged], experts[staged], pair_weights[staged], host)
+        if self.cpu is not None and bool((outcome == ON_CPU).any()):
+            self.cpu.run(layer)
+            out += self.cpu.job.out[:x.shape[0]]
+        return out.to(x.dtype)
+
+    def _prefill(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A large batch: the layer's experts staged whole in VRAM (cached ones copied from their slots) or,
+        where the device is the CPU, read in place. The cache is read, never changed."""
+        row, n = self.rows[layer], expert_ids.numel()
+        ids = expert_ids.flatten()
+        slots = self.manager.tables.state[row][ids.clamp(min=0)].long()
+        outcome = torch.where(ids < 0, PAD, torch.where(slots >= 0, HIT, STAGED))
+        record = self.record.device[:, row, :n]
+        record[0], record[1], record[2] = ids, outcome, torch.where(outcome == HIT, slots, -1)
+        if not self.on_device:
+            return expert_ffn(x, *flatten_pairs(expert_ids, weights), self.host[layer]).to(x.dtype)
+        assert self.stager is not None, "the device stages host layers for large batches"
+        bank = self.stager.bank(layer)
+        if grouped_gemm_available(self.device):
+            out = grouped_gemm_ffn(x, expert_ids, weights, bank)
+        else:
+            from ops.triton import grouped_expert_ffn, tables_from_bank
+            out = grouped_expert_ffn(x, *flatten_pairs(expert_ids, weights), tables_from_bank(bank, self.device))
+        self.stager.release(bank)
+        return out.to(x.dtype)

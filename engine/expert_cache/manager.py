@@ -1,0 +1,205 @@
+"""The expert cache's host side: slot pools and the device tables they are addressed through, the
+policies, and the translation of their decisions into table changes (applied by the device at the start
+of the next step, `ops.cache_step.begin_step`) and uploads (on the copy stream).
+
+Called between and beside steps, never inside one: `observe` while the next step computes, `changes`
+just before a step is launched, `start_uploads` just after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import CacheConfig
+from engine.expert_cache.device import CopyEngine, CopyHandle, bank_shape, empty_bank, expert_parts
+from engine.expert_cache.plan import CachePlan
+from engine.expert_cache.policy import CachePolicy, Decision, PolicyConfig, Promotion, make_policy
+from engine.expert_cache.profile import Profile
+from engine.expert_cache.record import LANDED, StepRecord
+from engine.expert_cache.stats import CacheStats
+from ops.cache_step import OFFER, PUBLISH, TAIL, UNPUBLISH, SlotTables
+from ops.cpu_experts import ExpertWeights
+
+Change = tuple[int, int, int, int]
+
+
+@dataclass
+class _Upload:
+    handle: CopyHandle
+    entries: list[tuple[int, int, int, int]]  # (group, layer, expert, slot), published when the copy is done
+
+
+class CacheManager:
+    def __init__(self, host: Mapping[int, ExpertWeights], plan: CachePlan, cfg: CacheConfig, device: torch.device,
+                 rows: Mapping[int, int], num_rows: int, num_experts: int, stats: CacheStats,
+                 profile: Profile | None = None, share: float = 1.0) -> None:
+        self.host, self.plan, self.cfg, self.device, self.rows, self.stats = host, plan, cfg, device, rows, stats
+        self.groups = {g.group_id: g for g in plan.groups}
+        self.group_of = {layer: g.group_id for g in plan.groups for layer in g.layers}
+        self.pools = {g.group_id: empty_bank(host[g.layers[0]], g.num_slots, device) for g in plan.groups
+                      if g.is_cached}
+        config = PolicyConfig(promote_per_step=cfg.promote_per_step, free_slots=cfg.free_slots)
+        self.policies: dict[int, CachePolicy] = {
+            gid: make_policy(cfg.policy, self.groups[gid], config, profile, landing=cfg.mode.streams)
+            for gid in self.pools}
+        self.ring_index = {(gid, r): i for i, (gid, r) in enumerate(
+            (gid, r) for gid, p in self.policies.items() for r in range(len(p.rings)))}
+        self.no_ring = len(self.ring_index)  # layers of uncached groups: an empty ring, nothing lands
+        self.staging = {shape: empty_bank(bank, bank.num_experts, device) for shape, bank in
+                        {bank_shape(b): b for b in host.values()}.items()} if device.type == "cuda" and \
+            cfg.mode.streams else {}
+        self.tables = self._tables(num_rows, num_experts, share)
+        self.published = np.full((num_rows, num_experts), -1, dtype=np.int32)  # what the device has or will have
+        self.tail = np.zeros(self.no_ring + 1, dtype=np.int64)
+        self.max_changes = 2 * plan.num_slots + 2 * len(self.ring_index) + 64
+        self.copies = CopyEngine(device)
+        self._changes: dict[tuple, Change] = {}
+        self._queued: list[tuple[int, Promotion]] = []  # uploads decided, started after the next launch
+        self._uploads: list[_Upload] = []
+        self._uploading: dict[tuple[int, int], tuple[int, int]] = {}  # (group, slot) -> (layer, expert)
+        if profile is not None:
+            self._warm_start(profile)
+        for gid, policy in self.policies.items():
+            self._apply(gid, policy.start())
+
+    # -- the device tables ----------------------------------------------------------------------------------
+    def _tables(self, num_rows: int, num_experts: int, share: float) -> SlotTables:
+        host = torch.zeros((num_rows, 3, num_experts), dtype=torch.int64)
+        staging, pool_base, pool_stride = torch.zeros_like(host), torch.zeros((num_rows, 3), dtype=torch.int64), \
+            torch.zeros((num_rows, 3), dtype=torch.int64)
+        region = torch.full((num_rows,), self.no_ring, dtype=torch.int32)
+        for layer, bank in self.host.items():
+            row = self.rows[layer]
+            host[row] = _addresses(bank, num_experts)
+            if bank_shape(bank) in self.staging:
+                staging[row] = _addresses(self.staging[bank_shape(bank)], num_experts)
+            gid = self.group_of.get(layer)
+            if gid in self.pools:
+                pool = self.pools[gid]
+                pool_base[row] = torch.tensor([t.data_ptr() for t in expert_parts(pool, slice(None))])
+                pool_stride[row] = torch.tensor([t.stride(0) for t in expert_parts(pool, slice(None))])
+                region[row] = self.ring_index[(gid, self.policies[gid].ring_of(layer))]
+        capacity = max((len(r.slots) for p in self.policies.values() for r in p.rings), default=1)
+        on = lambda t: t.to(self.device)  # noqa: E731
+        return SlotTables(
+            state=on(torch.full((num_rows, num_experts), -1, dtype=torch.int32)),
+            cur=on(torch.zeros((num_rows, 3, num_experts), dtype=torch.int64)), host=on(host), staging=on(staging),
+            fill=on(torch.zeros((num_rows, num_experts), dtype=torch.int8)),
+            scratch=on(torch.zeros((num_rows, num_experts), dtype=torch.int32)),
+            pool_base=on(pool_base), pool_stride=on(pool_stride), region=on(region),
+            ring=on(torch.zeros((self.no_ring + 1, max(capacity, 1)), dtype=torch.int32)),
+            head=on(torch.zeros(self.no_ring + 1, dtype=torch.int64)),
+            tail=on(torch.zeros(self.no_ring + 1, dtype=torch.int64)),
+            share=on(torch.full((num_rows,), share, dtype=torch.float32)))
+
+    # -- steps ------------------------------------------------------------------------------------------------
+    def observe(self, record: StepRecord) -> None:
+        """A decode step's uses and landings -> the policies -> changes for the next step (off the critical path)."""
+        for gid, policy in self.policies.items():
+            used, landed = {}, {}
+            for layer in self.groups[gid].layers:
+                row = self.rows[layer]
+                ids, outcome, slot = record.ids[row], record.outcome[row], record.slot[row]
+                used[layer] = ids[ids >= 0]
+                for e, s in zip(ids[outcome == LANDED].tolist(), slot[outcome == LANDED].tolist()):
+                    landed[(layer, e)] = s
+                    self.published[row, e] = s
+            if landed:
+                self.stats.record_copies(len(landed), 0, 0)
+            self._apply(gid, policy.observe(used, landed))
+
+    def changes(self) -> list[Change]:
+        """The table changes for the next step (publishing finished uploads too); clears them."""
+        self._publish_finished()
+        changes, self._changes = list(self._changes.values()), {}
+        return changes
+
+    def start_uploads(self) -> None:
+        """Start the uploads decided so far; called just after a step's launch, so the copy stream orders
+        them after the step whose changes unpublished their slots."""
+        queued, self._queued = self._queued, []
+        by_group: dict[int, list[Promotion]] = {}
+        for gid, promotion in queued:
+            by_group.setdefault(gid, []).append(promotion)
+        for gid, promotions in by_group.items():
+            pool, pairs = self.pools[gid], []
+            for p in promotions:
+                pairs += zip(expert_parts(pool, p.slot), expert_parts(self.host[p.layer], p.expert))
+                self._uploading[(gid, p.slot)] = (p.layer, p.expert)
+            entries = [(gid, p.layer, p.expert, p.slot) for p in promotions]
+            self._uploads.append(_Upload(self.copies.copy(pairs), entries))
+            self.stats.record_copies(len(promotions), 0, len(promotions) * self.groups[gid].slot_bytes)
+
+    def wait_uploads(self) -> None:
+        for upload in self._uploads:
+            upload.handle.wait()
+
+    # -- decisions -> changes ---------------------------------------------------------------------------------
+    def _apply(self, gid: int, decision: Decision) -> None:
+        if not decision:
+            return
+        for (layer, expert), slot in decision.evictions:
+            # NOTE: a slot is unpublished before anything else is copied into it
+            row = self.rows[layer]
+            self._change(UNPUBLISH, row, expert, 0)
+            self.published[row, expert] = -1
+            if self._uploading.get((gid, slot)) == (layer, expert):
+                del self._uploading[(gid, slot)]
+        touched = set()
+        for ring, slot in decision.offers:
+            index = self.ring_index[(gid, ring)]
+            self._changes[("ring", index, int(self.tail[index]))] = (OFFER, index, int(self.tail[index]), slot)
+            self.tail[index] += 1
+            touched.add(index)
+        for index in touched:
+            self._changes[("tail", index)] = (TAIL, index, int(self.tail[index]), 0)
+        self._queued += [(gid, p) for p in decision.uploads]
+        self.stats.record_copies(0, len(decision.evictions), 0)
+
+    def _change(self, kind: int, row: int, expert: int, slot: int) -> None:
+        self._changes[("state", row, expert)] = (kind, row, expert, slot)
+
+    def _publish_finished(self, wait: bool = False) -> None:
+        # NOTE: a slot is published only after its copy completed, and only if no later decision
+        # reassigned it meanwhile.
+        still = []
+        for upload in self._uploads:
+            if not (wait or upload.handle.done()):
+                still.append(upload)
+                continue
+            upload.handle.wait()
+            for gid, layer, expert, slot in upload.entries:
+                if self._uploading.get((gid, slot)) == (layer, expert):
+                    del self._uploading[(gid, slot)]
+                    self._change(PUBLISH, self.rows[layer], expert, slot)
+                    self.published[self.rows[layer], expert] = slot
+        self._uploads = still
+
+    def _warm_start(self, profile: Profile) -> None:
+        for gid, policy in self.policies.items():
+            self._queued += [(gid, p) for p in policy.warm_start(profile)]
+        self.start_uploads()
+        self._publish_finished(wait=True)
+
+    # -- introspection ----------------------------------------------------------------------------------------
+    def residents(self) -> dict[tuple[int, int], int]:
+        """(layer, expert) -> slot as the policies hold them (published, uploading or about to be)."""
+        return {expert: slot for policy in self.policies.values() for expert, slot in policy.residents().items()}
+
+    def slots_of(self, layer: int) -> list[int]:
+        """Published slot (or -1) of each expert of a host layer, as the next step will see them."""
+        return self.published[self.rows[layer]].tolist()
+
+    def close(self) -> None:
+        self._publish_finished(wait=True)
+        self.copies.close()
+
+
+def _addresses(bank: ExpertWeights, num_experts: int) -> torch.Tensor:
+    """int64 `[3, num_experts]`: address of each expert's gate, up and down bytes in the bank."""
+    rows = torch.arange(num_experts, dtype=torch.int64)
+    return torch.stack([t.data_ptr() + rows * t.stride(0) for t in expert_parts(bank, slice(None))])

@@ -1,0 +1,61 @@
+"""The step record: how one step routed and where each (token, expert) pair was computed.
+
+The forward pass writes it on the device (the assign step writes the host layers' rows, the end of
+the step the resident layers' expert ids) and copies it to pinned host memory as its last operation;
+after the step's sampling has synchronized, the engine takes a numpy copy (`StepRecord`), which the
+observers (stats, usage, profile, trace) and the policies read while the next step runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ops.cache_step import HIT, LANDED, ON_CPU, PAD, STAGED
+
+__all__ = ["HIT", "LANDED", "ON_CPU", "PAD", "STAGED", "RecordBuffers", "StepRecord"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    ids: np.ndarray  # int32 [moe_layers, pairs]: expert of each pair, -1 for none (padding)
+    outcome: np.ndarray  # int32 [moe_layers, pairs]: HIT .. ON_CPU; PAD in the rows of resident layers
+    slot: np.ndarray  # int32 [moe_layers, pairs]: the slot read (HIT) or landed in (LANDED), else -1
+    num_tokens: int  # tokens of the step (a graph's padding rows excluded)
+    is_prefill: bool  # a large batch: the cache was read, never changed
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.ids.shape[1])
+
+
+class RecordBuffers:
+    """The device record `[3 (ids, outcome, slot), moe_layers, max_pairs]` (int32) and its pinned host copy."""
+
+    def __init__(self, num_layers: int, max_pairs: int, device: torch.device) -> None:
+        self.device = torch.zeros((3, num_layers, max_pairs), dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self.host = torch.zeros(self.device.shape, dtype=torch.int32, pin_memory=pin) if pin else self.device
+
+    def copy_to_host(self, num_pairs: int) -> None:
+        """The step's last operation: its rows `[:, :, :num_pairs]` to pinned memory (captured in graphs)."""
+        if self.host is not self.device:
+            self.host[:, :, :num_pairs].copy_(self.device[:, :, :num_pairs], non_blocking=True)
+
+    def take(self, num_pairs: int, num_tokens: int, is_prefill: bool) -> StepRecord:
+        """A host copy of the finished step's record (call after the step synchronized)."""
+        data = self.host[:, :, :num_pairs].numpy().copy()
+        return StepRecord(data[0], data[1], data[2], num_tokens, is_prefill)
+
+
+def unique_experts(record: StepRecord, rows: np.ndarray, outcome: int) -> set[tuple[int, int]]:
+    """(row, expert) of the pairs with `outcome` in the given rows, each once."""
+    sel = record.outcome[rows] == outcome
+    layer_rows = np.broadcast_to(rows[:, None], record.ids[rows].shape)
+    return set(zip(layer_rows[sel].tolist(), record.ids[rows][sel].tolist()))
+
+
+def is_miss(outcome: np.ndarray) -> np.ndarray:
+    return (outcome == STAGED) | (outcome == LANDED) | (outcome == ON_CPU)

@@ -1,0 +1,178 @@
+"""Triton kernels of `ops.cache_step` (the references and the semantics are there).
+
+`assign_experts` is one program per layer: a decode step has at most 32 tokens x top-k pairs, which
+one program holds in registers. Expert ids are deduplicated through the layer's scratch row (the
+first pair of each expert decides for it, found with an atomic min), so the result does not depend
+on the order threads run in. `begin_step` is one program per layer (publish the previous step's
+landings) plus programs over the host's changes, which touch disjoint entries.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
+import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+from ops.cache_step import HIT, LANDED, OFFER, ON_CPU, PAD, PUBLISH, STAGED, TAIL, UNPUBLISH, CpuJob, SlotTables
+from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows
+
+MAX_PAIRS = 1024
+CHANGES_BLOCK = 256
+
+
+@triton.jit(do_not_specialize=["x_stride", "num_pairs", "top_k", "hidden", "row", "record_stride"])
+def _assign_kernel(
+    ids_ptr, weights_ptr, x_ptr, x_stride, num_pairs, top_k, hidden, row,
+    state, cur, host, staging, fill, scratch, pool_base, pool_stride, region_of, ring, head_of, tail_of, share_of,
+    num_experts, ring_capacity, record, record_stride,
+    job_x, job_ids, job_weights, job_on_cpu, job_tokens,
+    LANDING: tl.constexpr, JOB: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    p = tl.arange(0, W)
+    in_pairs = p < num_pairs
+    e = tl.load(ids_ptr + p, mask=in_pairs, other=-1).to(tl.int64)
+    valid = in_pairs & (e >= 0) & (e < num_experts)
+    safe = tl.where(valid, e, 0)
+    row64 = row + tl.zeros([], tl.int64)
+    experts_row = row64 * num_experts
+    # the first pair of each expert decides for it
+    tl.store(scratch + experts_row + safe, num_pairs, mask=valid)
+    tl.debug_barrier()
+    tl.atomic_min(scratch + experts_row + safe, p, mask=valid)
+    tl.debug_barrier()
+    is_first = valid & (tl.load(scratch + experts_row + safe, mask=valid, other=-1) == p)
+    slot_now = tl.load(state + experts_row + safe, mask=valid, other=-1)
+    missed = is_first & (slot_now < 0)
+    rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
+    num_missed = tl.sum(missed.to(tl.int32), axis=0)
+    share = tl.load(share_of + row)
+    num_streamed = tl.floor(share * num_missed.to(tl.float32) + 0.5).to(tl.int32)
+    streamed = missed & (rank < num_streamed)
+    on_cpu = missed & (rank >= num_streamed)
+    lands = streamed & (rank < 0)  # none
+    slot = tl.full([W], -1, tl.int32)
+    if LANDING:
+        region = tl.load(region_of + row).to(tl.int64)
+        head = tl.load(head_of + region)
+        available = tl.maximum(tl.load(tail_of + region) - head, 0)
+        lands = streamed & (rank.to(tl.int64) < available)
+        position = (head + rank.to(tl.int64)) % ring_capacity
+        slot = tl.load(ring + region * ring_capacity + position, mask=lands, other=-1)
+        tl.store(head_of + region, head + tl.minimum(num_streamed.to(tl.int64), available))
+    outcome = tl.where(on_cpu, ON_CPU, tl.where(lands, LANDED, tl.where(streamed, STAGED, HIT)))
+    for part in tl.static_range(3):
+        base = tl.load(pool_base + row64 * 3 + part)
+        stride = tl.load(pool_stride + row64 * 3 + part)
+        entry = (row64 * 3 + part) * num_experts + safe
+        address = tl.where(lands, base + slot.to(tl.int64) * stride,
+                           tl.load(staging + entry, mask=streamed, other=0))
+        tl.store(cur + entry, tl.where(on_cpu, 0, address), mask=missed)
+    tl.store(fill + experts_row + safe, streamed.to(tl.int8), mask=is_first)
+    # every pair takes its expert's decision: (outcome + 1) | (slot + 1) << 3 through the scratch row
+    tl.debug_barrier()
+    tl.store(scratch + experts_row + safe, (outcome + 1) | ((slot + 1) << 3), mask=is_first)
+    tl.debug_barrier()
+    packed = tl.load(scratch + experts_row + safe, mask=valid, other=0)
+    decided = (packed & 7) - 1
+    pair_outcome = tl.where(valid, decided, PAD)
+    pair_slot = tl.where(decided == HIT, slot_now, (packed >> 3) - 1)
+    pair_slot = tl.where(valid, pair_slot, -1)
+    tl.store(record + p, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
+    tl.store(record + record_stride + p, pair_outcome.to(tl.int32), mask=in_pairs)
+    tl.store(record + 2 * record_stride + p, pair_slot.to(tl.int32), mask=in_pairs)
+    if JOB:
+        num_tokens = num_pairs // top_k
+        tl.store(job_tokens, num_tokens)
+        tl.store(job_ids + p, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
+        tl.store(job_weights + p, tl.load(weights_ptr + p, mask=in_pairs, other=0.0).to(tl.float32), mask=in_pairs)
+        tl.store(job_on_cpu + p, (pair_outcome == ON_CPU).to(tl.int32), mask=in_pairs)
+        if tl.sum((in_pairs & (pair_outcome == ON_CPU)).to(tl.int32), axis=0) > 0:
+            cols = tl.arange(0, BLOCK_H)
+            for t in range(0, num_tokens):
+                for start in range(0, hidden, BLOCK_H):
+                    c = start + cols
+                    v = tl.load(x_ptr + t * x_stride + c, mask=c < hidden, other=0.0).to(tl.float32)
+                    tl.store(job_x + t * hidden + c, v, mask=c < hidden)
+
+
+def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, tables: SlotTables,
+                   record: torch.Tensor, landing: bool, job: CpuJob | None = None) -> None:
+    device = tables.state.device
+    tokens, top_k = expert_ids.shape
+    num_pairs = tokens * top_k
+    if not 0 < num_pairs <= MAX_PAIRS:
+        raise ValueError(f"assign_experts: {num_pairs} pairs (1..{MAX_PAIRS})")
+    check_rows("expert_ids", expert_ids, (tokens, top_k), INDEX_DTYPES, device)
+    check_rows("weights", weights, (tokens, top_k), FLOAT_DTYPES, device)
+    check_rows("x", x, (tokens, x.shape[1]), FLOAT_DTYPES, device)
+    check_device("record", record, device)
+    if record.dtype != torch.int32 or record.dim() != 2 or record.shape[0] != 3 or record.shape[1] < num_pairs \
+            or record.stride(1) != 1:
+        raise ValueError(f"record: expected int32 [3, >= {num_pairs}] with contiguous rows, got "
+                         f"{record.dtype} {tuple(record.shape)}")
+    if expert_ids.stride(0) != top_k or weights.stride(0) != top_k:
+        raise ValueError("expert_ids and weights must be contiguous [tokens, top_k]")
+    if job is not None and (job.x.shape[1] != x.shape[1] or job.expert_ids.shape[0] < num_pairs):
+        raise ValueError(f"job of {job.expert_ids.shape[0]} pairs x {job.x.shape[1]} for {num_pairs} x {x.shape[1]}")
+    j = job if job is not None else CpuJob(*(record,) * 6)  # unused pointers when there is no job
+    _assign_kernel[(1,)](
+        expert_ids, weights, x, x.stride(0), num_pairs, top_k, x.shape[1], row,
+        tables.state, tables.cur, tables.host, tables.staging, tables.fill, tables.scratch, tables.pool_base,
+        tables.pool_stride, tables.region, tables.ring, tables.head, tables.tail, tables.share,
+        tables.num_experts, tables.ring.shape[1], record, record.stride(0),
+        j.x, j.expert_ids, j.weights, j.on_cpu, j.num_tokens,
+        LANDING=bool(landing), JOB=job is not None, W=triton.next_power_of_2(num_pairs), BLOCK_H=1024,
+        num_warps=4,
+    )
+
+
+@triton.jit(do_not_specialize=["num_layers", "record_stride", "layer_stride"])
+def _begin_step_kernel(
+    state, cur, pool_base, pool_stride, ring, tail_of, num_experts, ring_capacity,
+    record, record_stride, layer_stride, num_layers, header, changes,
+    W: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < num_layers:  # publish the previous step's landings of layer pid
+        num_pairs = tl.load(header + 1)
+        p = tl.arange(0, W)
+        mine = p < num_pairs
+        at = record + pid.to(tl.int64) * layer_stride + p
+        e = tl.load(at, mask=mine, other=-1).to(tl.int64)
+        landed = mine & (tl.load(at + record_stride, mask=mine, other=PAD) == LANDED)
+        slot = tl.load(at + 2 * record_stride, mask=landed, other=-1)
+        tl.store(state + pid.to(tl.int64) * num_experts + tl.where(landed, e, 0), slot, mask=landed)
+    else:  # the host's changes, BLOCK of them a program
+        count = tl.load(header)
+        i = (pid - num_layers) * BLOCK + tl.arange(0, BLOCK)
+        mine = i < count
+        at = changes + i.to(tl.int64) * 4
+        kind = tl.load(at, mask=mine, other=-1)
+        a = tl.load(at + 1, mask=mine, other=0)
+        b = tl.load(at + 2, mask=mine, other=0)
+        c = tl.load(at + 3, mask=mine, other=0)
+        entry = a * num_experts + b
+        is_publish = kind == PUBLISH
+        tl.store(state + entry, c.to(tl.int32), mask=is_publish)
+        tl.store(state + entry, tl.full([BLOCK], -1, tl.int32), mask=kind == UNPUBLISH)
+        for part in tl.static_range(3):
+            base = tl.load(pool_base + a * 3 + part, mask=is_publish, other=0)
+            stride = tl.load(pool_stride + a * 3 + part, mask=is_publish, other=0)
+            tl.store(cur + (a * 3 + part) * num_experts + b, base + c * stride, mask=is_publish)
+        tl.store(ring + a * ring_capacity + b % ring_capacity, c.to(tl.int32), mask=kind == OFFER)
+        tl.store(tail_of + a, b, mask=kind == TAIL)
+
+
+def begin_step(tables: SlotTables, record: torch.Tensor, header: torch.Tensor, changes: torch.Tensor) -> None:
+    num_layers, max_pairs = record.shape[1], record.shape[2]
+    if record.dtype != torch.int32 or record.dim() != 3 or record.stride(2) != 1 or max_pairs > MAX_PAIRS:
+        raise ValueError(f"record: expected int32 [3, layers, <= {MAX_PAIRS}], got {record.dtype} "
+                         f"{tuple(record.shape)}")
+    if changes.dtype != torch.int64 or changes.dim() != 2 or changes.shape[1] != 4 or not changes.is_contiguous():
+        raise ValueError(f"changes: expected contiguous int64 [n, 4], got {changes.dtype} {tuple(changes.shape)}")
+    grid = (num_layers + triton.cdiv(changes.shape[0], CHANGES_BLOCK),)
+    _begin_step_kernel[grid](
+        tables.state, tables.cur, tables.pool_base, tables.pool_stride, tables.ring, tables.tail, tables.num_experts,
+        tables.ring.shape[1], record, record.stride(0), record.stride(1), num_layers, header, changes,
+        W=triton.next_power_of_2(max_pairs), BLOCK=CHANGES_BLOCK, num_warps=4,
+    )
