@@ -61,6 +61,8 @@ class ModelRunner:
         return self._step(ForwardBatch.build(spans, token_ids, self.model.device))
 
     def _step(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.token_mask is not None:  # a captured batch: its padding rows write the scratch slot
+            torch.ne(batch.slot_ids, self.scratch_slot, out=batch.token_mask)
         self.experts.begin_step(batch.num_tokens)
         logits = self.model.forward(batch, self.kv)
         self.experts.end_step()
@@ -87,9 +89,7 @@ class ModelRunner:
         staged[1, :n] = [s.start for s in spans]
         staged[2, :n] = [s.slot for s in spans]
         staged[:, n:] = np.array([[0], [0], [self.scratch_slot]])
-        g.inputs.copy_(g.staged, non_blocking=True)
-        assert g.batch.token_mask is not None, "a captured batch has a token mask"
-        g.batch.token_mask.copy_(g.staged[2] != self.scratch_slot, non_blocking=True)
+        g.inputs.copy_(g.staged, non_blocking=True)  # one copy; the graph derives the token mask
         g.graph.replay()
         self.experts.replayed(n, size)
         return g.logits[:n]

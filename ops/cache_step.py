@@ -86,8 +86,9 @@ def _use_triton(t: torch.Tensor) -> bool:
 def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, tables: SlotTables,
                    record: torch.Tensor, landing: bool, job: CpuJob | None = None) -> None:
     """expert_ids, weights `[tokens, top_k]` (id -1: no expert) and x `[tokens, hidden]` of MoE layer `row`;
-    record: int32 `[3, >= pairs]` (ids, outcome, slot), this layer's row of the step record. `landing`:
-    misses may take offered slots. `job`: the layer's CPU job, written when any pair may go to the CPU."""
+    record: int32 `[>= pairs, 3]` (ids, outcome, slot of each pair; any strides), this layer's part of the
+    step record. `landing`: misses may take offered slots. `job`: the layer's CPU job, written when any
+    pair may go to the CPU."""
     if _use_triton(expert_ids):
         from ops.triton.cache_step import assign_experts as fused
         fused(row, expert_ids, weights, x, tables, record, landing, job)
@@ -96,7 +97,7 @@ def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x:
 
 
 def begin_step(tables: SlotTables, record: torch.Tensor, header: torch.Tensor, changes: torch.Tensor) -> None:
-    """record: int32 `[3, layers, max_pairs]` of the previous step; header: int64 `[>= 2]` (number of
+    """record: int32 `[max_pairs, 3, layers]` of the previous step; header: int64 `[>= 2]` (number of
     changes, pairs of the previous step); changes: int64 `[max_changes, 4]`. Both may be pinned host
     memory (read in place by the device)."""
     if _use_triton(tables.state):
@@ -151,8 +152,8 @@ def assign_experts_torch(row: int, expert_ids: torch.Tensor, weights: torch.Tens
     for p, e in enumerate(ids.tolist()):
         if valid[p]:
             outcome[p], slots[p] = code.get(e, (HIT, int(state[e])))
-    record[0, :num_pairs] = torch.where(valid, ids, -1).to(record)
-    record[1, :num_pairs], record[2, :num_pairs] = outcome.to(record), slots.to(record)
+    record[:num_pairs, 0] = torch.where(valid, ids, -1).to(record)
+    record[:num_pairs, 1], record[:num_pairs, 2] = outcome.to(record), slots.to(record)
     if job is not None:
         _write_job(job, ids, valid, outcome, weights, x)
 
@@ -170,7 +171,7 @@ def _write_job(job: CpuJob, ids: torch.Tensor, valid: torch.Tensor, outcome: tor
 
 def begin_step_torch(tables: SlotTables, record: torch.Tensor, header: torch.Tensor, changes: torch.Tensor) -> None:
     num_changes, num_pairs = int(header[0]), int(header[1])
-    ids, outcome, slots = (record[i, :, :num_pairs].long() for i in range(3))
+    ids, outcome, slots = (record[:num_pairs, i, :].T.long() for i in range(3))  # [layers, pairs]
     rows, pairs = (outcome == LANDED).nonzero(as_tuple=True)
     tables.state[rows, ids[rows, pairs]] = slots[rows, pairs].to(tables.state)
     capacity = tables.ring.shape[1]

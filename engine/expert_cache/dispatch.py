@@ -46,6 +46,7 @@ class ExpertDispatcher:
         pin = device.type == "cuda"
         self.header = torch.zeros(2, dtype=torch.int64, pin_memory=pin)  # changes, previous step's pairs
         self.changes = torch.zeros((manager.max_changes, 4), dtype=torch.int64, pin_memory=pin)
+        self._header_np, self._changes_np = self.header.numpy(), self.changes.numpy()  # written by the host
         self.on_device = on_device  # the Triton kernels (CUDA); else torch references and the CPU kernels
         self.stager = LayerStager(host, manager.pools, manager.group_of, manager.slots_of, manager.copies) \
             if on_device and host else None
@@ -80,8 +81,8 @@ class ExpertDispatcher:
         if len(changes) > self.changes.shape[0]:
             raise RuntimeError(f"{len(changes)} cache table changes in one step (room for {self.changes.shape[0]})")
         if changes:
-            self.changes[:len(changes)] = torch.tensor(changes, dtype=torch.int64)
-        self.header[0], self.header[1] = len(changes), self.previous_pairs
+            self._changes_np[:len(changes)] = changes
+        self._header_np[:] = len(changes), self.previous_pairs
 
     # -- the step: inside the forward pass, captured in graphs -----------------------------------------
     def begin_step(self, num_tokens: int) -> None:
@@ -89,7 +90,7 @@ class ExpertDispatcher:
         self.num_tokens, self.pairs = num_tokens, num_tokens * self.top_k
         self._resident_ids = []
         begin_step(self.manager.tables, self.record.device, self.header, self.changes)
-        self.record.device[:, :, :self.pairs] = -1  # after the landings of the last step are published
+        self.record.reset(self.pairs)  # after the landings of the last step are published
 
     def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x `[tokens, hidden]`, expert_ids and weights `[tokens, top_k]` -> `sum_k w * expert_k(x)`."""
@@ -104,8 +105,8 @@ class ExpertDispatcher:
         if self.stager is not None and self.kind is StepKind.PREFILL:
             self.stager.finish()
         if self._resident_ids:
-            ids = torch.stack([i.flatten() for i in self._resident_ids]).to(torch.int32)
-            self.record.device[0, self.resident_rows, :self.pairs] = ids
+            ids = torch.stack([i.flatten() for i in self._resident_ids], dim=1).to(torch.int32)  # [pairs, layers]
+            self.record.device[:self.pairs, 0, self.resident_rows] = ids
         self.record.copy_to_host(self.pairs)
 
     def replayed(self, num_tokens: int, padded: int) -> None:
@@ -134,7 +135,7 @@ class ExpertDispatcher:
         row = self.rows[layer]
         job = self.cpu.job if self.cpu is not None else None
         # NOTE: exactly once: each pair is a hit, streamed (filled, maybe landing) or the CPU's, never two
-        assign_experts(row, expert_ids, weights, x, self.manager.tables, self.record.device[:, row],
+        assign_experts(row, expert_ids, weights, x, self.manager.tables, self.record.layer(row),
                        landing=self.mode.streams, job=job)
         if not self.on_device:
             return self._decode_in_place(layer, x, expert_ids, weights)
@@ -150,7 +151,7 @@ class ExpertDispatcher:
         """The decode step where the device is the CPU: host memory is the device's, so staged misses are
         read in place and a landing is a copy of the expert into its slot."""
         row, n = self.rows[layer], expert_ids.numel()
-        outcome, slot = (self.record.device[i, row, :n].long() for i in (1, 2))
+        outcome, slot = (self.record.layer(row)[:n, i].long() for i in (1, 2))
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
         host, pool = self.host[layer], self.manager.pools.get(self.manager.group_of[layer])
         for e, s in {(int(e), int(s)) for e, s in zip(experts[outcome == LANDED], slot[outcome == LANDED])}:
@@ -176,8 +177,8 @@ class ExpertDispatcher:
         ids = expert_ids.flatten()
         slots = self.manager.tables.state[row][ids.clamp(min=0)].long()
         outcome = torch.where(ids < 0, PAD, torch.where(slots >= 0, HIT, STAGED))
-        record = self.record.device[:, row, :n]
-        record[0], record[1], record[2] = ids, outcome, torch.where(outcome == HIT, slots, -1)
+        record = self.record.layer(row)[:n]
+        record[:, 0], record[:, 1], record[:, 2] = ids, outcome, torch.where(outcome == HIT, slots, -1)
         if not self.on_device:
             return expert_ffn(x, *flatten_pairs(expert_ids, weights), self.host[layer]).to(x.dtype)
         assert self.stager is not None, "the device stages host layers for large batches"

@@ -1,14 +1,15 @@
 """Expert-cache policies: which experts hold the slots of one cached group (torch-free).
 
-Slots are grouped in rings: one ring of all the group's slots (`lru`), or one per layer (`decay`,
-`lfru`, `static`). Where misses are streamed by the device (stream and hybrid miss modes) the policy
+Slots are grouped in rings: one ring of all the group's slots (`lru`, `static`), or one per layer
+(`decay`, `lfru`). Where misses are streamed by the device (stream and hybrid miss modes) the policy
 *offers* free slots of each ring, and the device lands a missed expert in an offered slot as it copies
 it for the step (`ops.cache_step`): the copy that computes the miss is the promotion, so an expert
 crosses PCIe once. After each step the engine calls `observe` with the experts each layer selected
 and the landings of the step; the policy takes the landed experts in, updates its scores, and
-evicts the least valuable experts so that each ring again has free slots to offer. Where misses are
-computed by the CPU (cpu miss mode) nothing lands: the policy picks misses to *upload* on the copy
-stream instead, at most `promote_per_step` a step for the scored policies.
+evicts the least valuable experts so that each ring again has free slots to offer (about twice its
+recent misses a step: decisions apply a step late). Where misses are computed by the CPU (cpu miss
+mode) nothing lands: the policy picks misses to *upload* on the copy stream instead, at most
+`promote_per_step` a step for the scored policies.
 
 - `lru`: one pool shared by the group's layers; every miss is taken in, the least recently used out.
 - `decay`: per-layer slots; a score decays per token, +1 per use; the lowest scores are evicted, so a
@@ -17,15 +18,16 @@ stream instead, at most `promote_per_step` a step for the scored policies.
   clearly hotter (`lfru_margin`) than the resident it would replace.
 - `static`: the most used experts of a profile, fixed; nothing is offered.
 
-An expert is `(layer, expert)`. The policy's state counts decisions the device has not applied yet
-(an evicted expert is gone, an upload in flight holds its slot), so no slot is ever given twice.
+An expert is `(layer, expert)`. The state is numpy arrays (a step costs a few vectorized operations,
+whatever the number of slots): the slot of each expert, the expert of each slot, which slots are
+offered. It counts decisions the device has not applied yet (an evicted expert is gone, an upload in
+flight holds its slot), so no slot is ever given twice.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -93,62 +95,83 @@ def layer_slots(group: GroupPlan) -> dict[int, range]:
     return {layer: range(bounds[i], bounds[i + 1]) for i, layer in enumerate(group.layers)}
 
 
+@dataclass(frozen=True)
+class StepUse:
+    """One step of a group, vectorized: each distinct (layer, expert) it used, with its use count."""
+
+    rows: np.ndarray  # [n] int64: the layer's position in the group
+    experts: np.ndarray  # [n] int64
+    counts: np.ndarray  # [n] int64
+    num_tokens: np.ndarray  # [layers] int64: tokens of the step at each layer (0: not in the step)
+
+
 class CachePolicy(ABC):
     """One instance per cached group; slots are numbered 0..group.num_slots-1. `landing`: the device
     lands streamed misses in offered slots (else misses are uploaded by the policy's choice)."""
 
     name: ClassVar[str]
     needs_profile: ClassVar[bool] = False
+    offers_slots: ClassVar[bool] = True
+    shared_ring: ClassVar[bool] = False  # one ring of all slots (else one per layer)
 
     def __init__(self, group: GroupPlan, config: PolicyConfig, landing: bool = True) -> None:
         self.group, self.config, self.landing = group, config, landing
-        self._layers = frozenset(group.layers)
-        self._held: list[Expert | None] = [None] * group.num_slots  # slot -> expert (published or uploading)
-        self._slot: dict[Expert, int] = {}  # expert -> slot
-        self.rings = self._make_rings()
-        self._ring_of_layer = {layer: i for i, r in enumerate(self.rings) for layer in r.layers}
-        self._ring_of_slot = {s: i for i, r in enumerate(self.rings) for s in r.slots}
-        self._offered: list[set[int]] = [set() for _ in self.rings]
-        self._misses = [0.0] * len(self.rings)  # recent missed experts a step, per ring
-
-    def _make_rings(self) -> list[Ring]:
-        return [Ring(slots, (layer,)) for layer, slots in layer_slots(self.group).items()]
+        self.row = {layer: i for i, layer in enumerate(group.layers)}
+        n, e = len(group.layers), group.num_experts
+        self.slot = np.full((n, e), -1, dtype=np.int64)  # [layers, experts]: slot, or -1
+        self.owner = np.full(group.num_slots, -1, dtype=np.int64)  # [slots]: row * experts + expert, or -1
+        self.is_offered = np.zeros(group.num_slots, dtype=bool)
+        self.rings = ([Ring(range(group.num_slots), group.layers)] if self.shared_ring else
+                      [Ring(slots, (layer,)) for layer, slots in layer_slots(group).items()])
+        self.ring_of_row = np.array([0 if self.shared_ring else i for i in range(n)], dtype=np.int64)
+        self.ring_of_slot = np.zeros(group.num_slots, dtype=np.int64)
+        for i, r in enumerate(self.rings):
+            self.ring_of_slot[r.slots.start:r.slots.stop] = i
+        self._misses = np.zeros(len(self.rings))  # recent missed experts a step, per ring
 
     # -- state ----------------------------------------------------------------------------------------
     def slot_of(self, layer: int, expert: int) -> int | None:
-        return self._slot.get((layer, expert))
+        slot = int(self.slot[self.row[layer], expert])
+        return slot if slot >= 0 else None
 
     def residents(self) -> dict[Expert, int]:
-        return dict(self._slot)
+        rows, experts = np.nonzero(self.slot >= 0)
+        return {(self.group.layers[r], int(e)): int(self.slot[r, e]) for r, e in zip(rows, experts)}
 
     def offered(self, ring: int) -> frozenset[int]:
-        return frozenset(self._offered[ring])
+        r = self.rings[ring].slots
+        return frozenset((np.nonzero(self.is_offered[r.start:r.stop])[0] + r.start).tolist())
 
     def ring_of(self, layer: int) -> int:
-        return self._ring_of_layer[layer]
+        return int(self.ring_of_row[self.row[layer]])
+
+    def _expert(self, key: int) -> Expert:
+        return self.group.layers[key // self.group.num_experts], key % self.group.num_experts
 
     # -- the protocol -----------------------------------------------------------------------------------
     def start(self) -> Decision:
         """Offer every free slot (after any warm start)."""
         decision = Decision()
         if self.landing and self.offers_slots:
-            for ring, r in enumerate(self.rings):
-                self._offer(decision, ring, [s for s in r.slots if self._held[s] is None])
+            self._offer(decision, np.nonzero(self.owner < 0)[0])
         return decision
 
-    def observe(self, used: Mapping[int, Sequence[int]], landed: Mapping[Expert, int] | None = None) -> Decision:
-        """One step: layer -> ids its tokens selected (one per (token, k)), and the experts the device
-        landed in offered slots -> slot. Returns what to apply before the next step."""
-        ids = self._used_ids(used)
+    def observe(self, used: Mapping[int, Sequence[int] | np.ndarray] | np.ndarray,
+                landed: Mapping[Expert, int] | np.ndarray | None = None) -> Decision:
+        """One step: the ids each layer's tokens selected (layer -> ids, one per (token, k); or an array
+        `[layers of the group, pairs]`, -1 for none), and the experts the device landed in offered slots
+        (expert -> slot; or an array `[n, 3]` of (layer position in the group, expert, slot)). Returns
+        what to apply before the next step."""
+        step = self._step_use(used)
         decision = Decision()
-        self._take_landings(landed or {}, decision)
-        self._count_misses(ids, landed or {})
-        self._update(ids)
+        landed_keys = self._take_landings(landed or {}, decision)
+        self._count_misses(step, landed_keys)
+        self._update(step, landed_keys)
         if self.landing:
             if self.offers_slots:
-                self._refill(decision, ids)
+                self._refill(decision, step, landed_keys)
         else:
-            self._admit(decision, ids)
+            self._admit(decision, step)
         return decision
 
     def warm_start(self, profile: Profile) -> list[Promotion]:
@@ -156,9 +179,9 @@ class CachePolicy(ABC):
         self.check_profile(profile)
         promotions: list[Promotion] = []
         for ring in self.rings:
-            free = [s for s in ring.slots if self._held[s] is None]
-            wanted = [e for e in profile.top(ring.layers, len(ring.slots)) if e not in self._slot]
-            promotions += [self._place(s, e) for s, e in zip(free, wanted, strict=False)]
+            free = [s for s in ring.slots if self.owner[s] < 0]
+            wanted = [x for x in profile.top(ring.layers, len(ring.slots)) if self.slot_of(*x) is None]
+            promotions += [self._place(s, x) for s, x in zip(free, wanted, strict=False)]
         return promotions
 
     def check_profile(self, profile: Profile) -> None:
@@ -171,157 +194,167 @@ class CachePolicy(ABC):
                 )
 
     # -- hooks of the policies --------------------------------------------------------------------------
-    offers_slots: ClassVar[bool] = True
+    @abstractmethod
+    def _update(self, step: StepUse, landed: np.ndarray) -> None:
+        """Recency or scores after a step; `landed`: keys (row * experts + expert) of its landings."""
 
     @abstractmethod
-    def _update(self, used: dict[int, list[int]]) -> None:
-        """Recency or scores after a step."""
+    def _victims(self, counts: np.ndarray, step: StepUse, landed: np.ndarray) -> np.ndarray:
+        """Up to `counts[ring]` slots of held experts of each ring to evict, least valuable first."""
 
     @abstractmethod
-    def _victims(self, ring: int, count: int, used: dict[int, list[int]]) -> list[Expert]:
-        """Up to `count` held experts of the ring to evict, least valuable first."""
-
-    @abstractmethod
-    def _admit(self, decision: Decision, used: dict[int, list[int]]) -> None:
+    def _admit(self, decision: Decision, step: StepUse) -> None:
         """Where misses do not land: uploads (and the evictions they need)."""
 
-    def _on_landing(self, expert: Expert) -> None:
-        """An expert just took a slot (landed)."""
-
     # -- shared mechanics -------------------------------------------------------------------------------
-    def _target(self, ring: int) -> int:
-        size = len(self.rings[ring].slots)
-        wanted = self.config.free_slots or math.ceil(2 * self._misses[ring] - 0.1)
-        return min(wanted, max(size // 4, 1))
+    def _step_use(self, used: Mapping[int, Sequence[int] | np.ndarray] | np.ndarray) -> StepUse:
+        num_experts = self.group.num_experts
+        if not isinstance(used, np.ndarray):
+            for layer in used:
+                if layer not in self.row:
+                    raise ValueError(f"layer {layer} is not in group {self.group.group_id}")
+            width = max((len(ids) for ids in used.values()), default=0)
+            table = np.full((len(self.group.layers), width), -1, dtype=np.int64)
+            for layer, layer_ids in used.items():
+                ids = np.asarray(layer_ids, dtype=np.int64)
+                if ids.size and not 0 <= ids.min():
+                    raise ValueError(f"layer {layer}: expert ids {ids.tolist()} outside [0, {num_experts})")
+                table[self.row[layer], :len(ids)] = ids
+            used = table
+        if used.size and used.max() >= num_experts:
+            raise ValueError(f"expert ids {np.unique(used[used >= num_experts]).tolist()} outside "
+                             f"[0, {num_experts})")
+        valid = used >= 0
+        keys = (np.arange(used.shape[0])[:, None] * num_experts + used)[valid]
+        unique, counts = np.unique(keys, return_counts=True)
+        tokens = -(-valid.sum(axis=1) // self.group.top_k)  # ceil
+        return StepUse(unique // num_experts, unique % num_experts, counts, tokens)
 
-    def _take_landings(self, landed: Mapping[Expert, int], decision: Decision) -> None:
-        for expert, slot in landed.items():
-            ring = self._ring_of_slot.get(slot)
-            if ring is None or slot not in self._offered[ring]:
-                raise ValueError(f"{expert} landed in slot {slot}, which was not offered")
-            self._offered[ring].discard(slot)
-            if expert in self._slot:  # already held elsewhere: give the slot back
-                self._offer(decision, ring, [slot])
-                continue
-            self._place(slot, expert)
-            self._on_landing(expert)
+    def _targets(self) -> np.ndarray:
+        """Offered slots each ring keeps `[rings]`: twice its recent misses, at most a quarter of it."""
+        sizes = np.array([len(r.slots) for r in self.rings])
+        wanted = np.full(len(self.rings), self.config.free_slots) if self.config.free_slots else \
+            np.ceil(2 * self._misses - 0.1).astype(np.int64)
+        return np.minimum(wanted, np.maximum(sizes // 4, 1))
 
-    def _count_misses(self, used: dict[int, list[int]], landed: Mapping[Expert, int]) -> None:
-        step = Counter[int]()
-        for layer, ids in used.items():
-            step[self._ring_of_layer[layer]] += len({e for e in ids if (layer, e) not in self._slot
-                                                     or (layer, e) in landed})
-        for ring in range(len(self.rings)):
-            self._misses[ring] = EMA * self._misses[ring] + (1 - EMA) * step[ring]
+    def _take_landings(self, landed: Mapping[Expert, int] | np.ndarray, decision: Decision) -> np.ndarray:
+        """The landed experts take their slots; returns their keys (row * experts + expert)."""
+        if not isinstance(landed, np.ndarray):
+            landed = np.array([(self.row[layer], e, slot) for (layer, e), slot in landed.items()],
+                              dtype=np.int64).reshape(-1, 3)
+        rows, experts, slots = landed.T
+        bad = (slots < 0) | (slots >= self.group.num_slots)
+        bad[~bad] = ~self.is_offered[slots[~bad]]
+        if bad.any():
+            i = int(np.nonzero(bad)[0][0])
+            raise ValueError(f"{(self.group.layers[rows[i]], int(experts[i]))} landed in slot {int(slots[i])}, "
+                             f"which was not offered")
+        self.is_offered[slots] = False
+        again = self.slot[rows, experts] >= 0  # already held elsewhere: give the slot back
+        if again.any():
+            self._offer(decision, slots[again])
+        rows, experts, slots = rows[~again], experts[~again], slots[~again]
+        keys = rows * self.group.num_experts + experts
+        # NOTE: a slot holds at most one expert and an expert at most one slot (offered slots are free)
+        self.owner[slots], self.slot[rows, experts] = keys, slots
+        return keys
 
-    def _refill(self, decision: Decision, used: dict[int, list[int]]) -> None:
-        for ring in range(len(self.rings)):
-            deficit = self._target(ring) - len(self._offered[ring])
-            free = [s for s in self.rings[ring].slots if self._held[s] is None and s not in self._offered[ring]]
-            now = free[:max(deficit, 0)]
-            self._offer(decision, ring, now)
-            deficit -= len(now)
-            if deficit > 0:
-                for expert in self._victims(ring, deficit, used):
-                    slot = self._evict(expert, decision)
-                    self._offer(decision, ring, [slot])
+    def _count_misses(self, step: StepUse, landed: np.ndarray) -> None:
+        keys = step.rows * self.group.num_experts + step.experts
+        missed = (self.slot[step.rows, step.experts] < 0) | np.isin(keys, landed)
+        per_ring = np.bincount(self.ring_of_row[step.rows[missed]], minlength=len(self.rings))
+        self._misses = EMA * self._misses + (1 - EMA) * per_ring
 
-    def _offer(self, decision: Decision, ring: int, slots: Sequence[int]) -> None:
-        for slot in slots:
-            # NOTE: an offered slot is free: no expert is published in it until a landing
-            assert self._held[slot] is None and slot not in self._offered[ring], f"slot {slot} offered twice"
-            self._offered[ring].add(slot)
-            decision.offers.append((ring, slot))
+    def _refill(self, decision: Decision, step: StepUse, landed: np.ndarray) -> None:
+        rings = len(self.rings)
+        deficit = self._targets() - np.bincount(self.ring_of_slot[self.is_offered], minlength=rings)
+        if (deficit <= 0).all():
+            return
+        free = self.first_per_ring(np.nonzero((self.owner < 0) & ~self.is_offered)[0], deficit)
+        self._offer(decision, free)
+        deficit -= np.bincount(self.ring_of_slot[free], minlength=rings)
+        if (deficit > 0).any():
+            slots = self._victims(np.maximum(deficit, 0), step, landed)
+            self._evict(slots, decision)
+            self._offer(decision, slots)
 
-    def _evict(self, expert: Expert, decision: Decision) -> int:
-        slot = self._slot.pop(expert)
-        self._held[slot] = None
-        decision.evictions.append((expert, slot))
-        return slot
+    def first_per_ring(self, slots: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The first `counts[ring]` of `slots` (grouped by ring, in order) of each ring."""
+        rings = self.ring_of_slot[slots]
+        rank = np.arange(len(slots)) - np.searchsorted(rings, rings, side="left")
+        return slots[rank < counts[rings]]
+
+    def _offer(self, decision: Decision, slots: np.ndarray) -> None:
+        # NOTE: an offered slot is free: no expert is published in it until a landing
+        assert not (self.owner[slots] >= 0).any() and not self.is_offered[slots].any(), "slot offered twice"
+        self.is_offered[slots] = True
+        decision.offers += zip(self.ring_of_slot[slots].tolist(), slots.tolist())
+
+    def _evict(self, slots: np.ndarray, decision: Decision) -> None:
+        keys = self.owner[slots]
+        self.slot.flat[keys] = -1
+        self.owner[slots] = -1
+        layers = np.asarray(self.group.layers)[keys // self.group.num_experts]
+        decision.evictions += zip(zip(layers.tolist(), (keys % self.group.num_experts).tolist()), slots.tolist())
 
     def _place(self, slot: int, expert: Expert) -> Promotion:
         # NOTE: a slot holds at most one expert and an expert at most one slot.
-        evicted = self._held[slot]
+        old = int(self.owner[slot])
+        evicted = self._expert(old) if old >= 0 else None
         if evicted is not None:
-            del self._slot[evicted]
-        self._held[slot] = expert
-        self._slot[expert] = slot
+            self.slot[self.row[evicted[0]], evicted[1]] = -1
+        row = self.row[expert[0]]
+        self.owner[slot], self.slot[row, expert[1]] = row * self.group.num_experts + expert[1], slot
         return Promotion(slot, expert[0], expert[1], evicted)
-
-    def _free_slot(self, slots: range) -> int | None:
-        return next((s for s in slots if self._held[s] is None and s not in self._offered[self._ring_of_slot[s]]),
-                    None)
-
-    def _used_ids(self, used: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for layer, layer_ids in used.items():
-            ids = layer_ids.tolist() if isinstance(layer_ids, np.ndarray) else [int(e) for e in layer_ids]
-            if layer not in self._layers:
-                raise ValueError(f"layer {layer} is not in group {self.group.group_id}")
-            if ids and not 0 <= min(ids) <= max(ids) < self.group.num_experts:
-                raise ValueError(f"layer {layer}: expert ids {ids} outside [0, {self.group.num_experts})")
-            out[layer] = ids
-        return out
 
 
 class LruPolicy(CachePolicy):
     name = "lru"
+    shared_ring = True
 
     def __init__(self, group: GroupPlan, config: PolicyConfig, landing: bool = True) -> None:
         super().__init__(group, config, landing)
-        self._recency: OrderedDict[Expert, None] = OrderedDict()  # least recently used first
+        self.last_used = np.zeros(group.num_slots, dtype=np.int64)  # [slots]: step of the last use
+        self._clock = 0
 
-    def _make_rings(self) -> list[Ring]:
-        return [Ring(range(self.group.num_slots), self.group.layers)]
+    def _update(self, step: StepUse, landed: np.ndarray) -> None:
+        self._clock += 1
+        slots = self.slot[step.rows, step.experts]
+        self.last_used[slots[slots >= 0]] = self._clock
 
-    def _update(self, used: dict[int, list[int]]) -> None:
-        for layer, ids in used.items():
-            for e in ids:
-                if (layer, e) in self._recency:
-                    self._recency.move_to_end((layer, e))
+    def _victims(self, counts: np.ndarray, step: StepUse, landed: np.ndarray) -> np.ndarray:
+        # NOTE: an expert used in the step is never evicted for it (its last use is this step)
+        count = int(counts[0])
+        held = np.nonzero(self.owner >= 0)[0]
+        held = held[self.last_used[held] < self._clock]
+        if len(held) > count:
+            held = held[np.argpartition(self.last_used[held], count - 1)[:count]]
+        return held[np.argsort(self.last_used[held], kind="stable")]
 
-    def _on_landing(self, expert: Expert) -> None:
-        self._recency[expert] = None
-
-    def _victims(self, ring: int, count: int, used: dict[int, list[int]]) -> list[Expert]:
-        # NOTE: an expert used in the step is never evicted for it.
-        in_step = {(layer, e) for layer, ids in used.items() for e in ids}
-        victims = []
-        for expert in self._recency:
-            if len(victims) == count:
-                break
-            if expert not in in_step:
-                victims.append(expert)
-        return victims
-
-    def _evict(self, expert: Expert, decision: Decision) -> int:
-        del self._recency[expert]
-        return super()._evict(expert, decision)
-
-    def _admit(self, decision: Decision, used: dict[int, list[int]]) -> None:
-        uses = Counter((layer, e) for layer, ids in used.items() for e in ids)
-        hits = [e for e in uses if e in self._slot]
+    def _admit(self, decision: Decision, step: StepUse) -> None:
+        hits = self.slot[step.rows, step.experts] >= 0  # their last use is this step (`_update`)
         # NOTE: room excludes this step's hits, so no expert used in the step is evicted.
-        room = max(self.group.num_slots - len(hits), 0)
-        misses = sorted((e for e in uses if e not in self._slot), key=uses.__getitem__, reverse=True)
-        for expert in misses[:room]:
-            slot = self._free_slot(range(self.group.num_slots))
-            if slot is None:
-                slot = self._slot[next(iter(self._recency))]
-                del self._recency[self._held[slot]]  # type: ignore[index]
-            promotion = self._place(slot, expert)
+        room = max(self.group.num_slots - int(hits.sum()), 0)
+        missed = np.nonzero(~hits)[0]
+        missed = missed[np.argsort(-step.counts[missed], kind="stable")][:room]  # most used in the step first
+        free = list(np.nonzero(self.owner < 0)[0])
+        victims = iter(self._victims(np.array([len(missed) - len(free)]), step, np.zeros(0, np.int64)).tolist()) \
+            if len(missed) > len(free) else iter(())
+        for i in missed.tolist():
+            slot = free.pop(0) if free else next(victims)
+            promotion = self._place(slot, (self.group.layers[step.rows[i]], int(step.experts[i])))
             if promotion.evicted is not None:
                 decision.evictions.append((promotion.evicted, slot))
             decision.uploads.append(promotion)
-            self._recency[expert] = None
+            self.last_used[slot] = self._clock
 
     def warm_start(self, profile: Profile) -> list[Promotion]:
         promotions = super().warm_start(profile)
-        for p in promotions:
-            self._recency[(p.layer, p.expert)] = None
-        for expert in reversed(profile.top(self.group.layers, self.group.num_slots)):
-            if expert in self._recency:
-                self._recency.move_to_end(expert)  # the hottest becomes the most recent
+        hottest = profile.top(self.group.layers, self.group.num_slots)
+        for rank, expert in enumerate(reversed(hottest)):  # the hottest becomes the most recent
+            slot = self.slot_of(*expert)
+            if slot is not None:
+                self.last_used[slot] = rank - len(hottest)
         return promotions
 
 
@@ -330,57 +363,46 @@ class ScoredPolicy(CachePolicy):
 
     def __init__(self, group: GroupPlan, config: PolicyConfig, landing: bool = True) -> None:
         super().__init__(group, config, landing)
-        self._scores = {layer: np.zeros(group.num_experts) for layer in group.layers}  # [num_experts]
-        self._landed: set[Expert] = set()  # landed in the step being observed
+        self.scores = np.zeros((len(group.layers), group.num_experts))  # [layers, experts]
 
     def score(self, layer: int, expert: int) -> float:
-        return float(self._scores[layer][expert])
+        return float(self.scores[self.row[layer], expert])
 
     @abstractmethod
-    def _update_scores(self, scores: np.ndarray, uses: np.ndarray, num_tokens: int) -> None:
-        """Scores `[num_experts]` in place after a step with `uses [num_experts]` of `num_tokens`."""
+    def _update_scores(self, uses: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Scores `[layers, experts]` in place after a step with `uses` `[layers, experts]` of
+        `num_tokens` `[layers]` tokens (0: the layer was not in the step)."""
 
     @abstractmethod
-    def _beats(self, candidate: float, resident: float) -> bool: ...
+    def _margin(self) -> float:
+        """How many times hotter than a resident a newcomer must be to replace it."""
+
+    def _beats(self, candidate: np.ndarray, resident: np.ndarray) -> np.ndarray:
+        return candidate > self._margin() * resident
 
     @abstractmethod
     def _seed_scale(self) -> float:
         """Score of an expert used once per token, at one token per step (the warm-start unit)."""
 
-    def _start_step(self) -> None:
-        """Hook run before a step's scores are updated."""
+    def _update(self, step: StepUse, landed: np.ndarray) -> None:
+        uses = np.zeros(self.scores.shape)
+        uses[step.rows, step.experts] = step.counts
+        self._update_scores(uses, step.num_tokens)
 
-    def observe(self, used: Mapping[int, Sequence[int]], landed: Mapping[Expert, int] | None = None) -> Decision:
-        self._landed = set(landed or {})
-        try:
-            return super().observe(used, landed)
-        finally:
-            self._landed = set()
+    def _victims(self, counts: np.ndarray, step: StepUse, landed: np.ndarray) -> np.ndarray:
+        """The lowest-scored held experts of each ring; a just-landed expert stays only if it beats the
+        resident it would replace (`_margin`): valued at score / margin, it goes first on a tie."""
+        held = np.nonzero(self.owner >= 0)[0]
+        keys = self.owner[held]
+        is_new = np.isin(keys, landed)
+        value = self.scores.flat[keys] / np.where(is_new, self._margin(), 1.0)
+        order = np.lexsort((~is_new, value, self.ring_of_slot[held]))  # by ring, then value, new first
+        return self.first_per_ring(held[order], counts)
 
-    def _update(self, used: dict[int, list[int]]) -> None:
-        self._start_step()
-        for layer, layer_ids in used.items():
-            uses = np.bincount(np.asarray(layer_ids, dtype=np.int64), minlength=self.group.num_experts)
-            self._update_scores(self._scores[layer], uses, math.ceil(len(layer_ids) / self.group.top_k))
-
-    def _victims(self, ring: int, count: int, used: dict[int, list[int]]) -> list[Expert]:
-        """The lowest-valued held experts; a just-landed expert stays only if it beats the resident it would
-        replace (`_beats`), so it is valued as the weakest resident it does not beat."""
-        layer = self.rings[ring].layers[0]
-        held = [(layer, e) for e in range(self.group.num_experts) if (layer, e) in self._slot]
-        old = sorted((x for x in held if x not in self._landed), key=lambda x: (self.score(*x), x[1]))
-        new = sorted((x for x in held if x in self._landed), key=lambda x: (self.score(*x), x[1]))
-        victims: list[Expert] = []
-        while len(victims) < count and (old or new):
-            # evict the landed one first unless it beats the weakest old resident
-            take_new = bool(new) and (not old or not self._beats(self.score(*new[0]), self.score(*old[0])))
-            victims.append(new.pop(0) if take_new else old.pop(0))
-        return victims
-
-    def _admit(self, decision: Decision, used: dict[int, list[int]]) -> None:
-        offers = []
-        for layer, layer_ids in used.items():
-            offers += self._upload_offers(layer, set(layer_ids))
+    def _admit(self, decision: Decision, step: StepUse) -> None:
+        offers: list[tuple[bool, float, int, Expert]] = []
+        for row in np.unique(step.rows).tolist():
+            offers += self._upload_offers(row, step.experts[step.rows == row])
         # NOTE: empty slots first, then the largest gains; within a layer keys never decrease.
         offers.sort(key=lambda o: (o[0], o[1]))
         for _, _, slot, expert in offers[: self.config.promote_per_step]:
@@ -389,20 +411,23 @@ class ScoredPolicy(CachePolicy):
                 decision.evictions.append((promotion.evicted, slot))
             decision.uploads.append(promotion)
 
-    def _upload_offers(self, layer: int, used: set[int]) -> list[tuple[bool, float, int, Expert]]:
+    def _upload_offers(self, row: int, used: np.ndarray) -> list[tuple[bool, float, int, Expert]]:
         """(is_replacement, key, slot, expert) for the layer's misses, best first."""
-        scores, slots = self._scores[layer], self.rings[self.ring_of(layer)].slots
-        missed = sorted((e for e in used if (layer, e) not in self._slot), key=lambda e: (-scores[e], e))
-        held = [self._held[s] for s in slots]
-        weakest = sorted(range(len(slots)), key=lambda i: (held[i] is not None,
-                                                           scores[held[i][1]] if held[i] is not None else 0.0, i))
-        offers = []
-        for expert, index in zip(missed, weakest, strict=False):
-            resident = held[index]
-            if resident is None:
-                offers.append((False, -float(scores[expert]), slots[index], (layer, expert)))
-            elif self._beats(scores[expert], scores[resident[1]]):
-                offers.append((True, float(scores[resident[1]] - scores[expert]), slots[index], (layer, expert)))
+        layer, scores = self.group.layers[row], self.scores[row]
+        missed = used[self.slot[row, used] < 0]
+        missed = missed[np.lexsort((missed, -scores[missed]))]
+        ring = self.rings[int(self.ring_of_row[row])].slots
+        slots = np.arange(ring.start, ring.stop)
+        owners = self.owner[slots]
+        resident_scores = np.where(owners >= 0, self.scores.flat[np.maximum(owners, 0)], 0.0)
+        weakest = slots[np.lexsort((slots, resident_scores, owners >= 0))]
+        offers: list[tuple[bool, float, int, Expert]] = []
+        for expert, slot in zip(missed.tolist(), weakest.tolist(), strict=False):
+            old = int(self.owner[slot])
+            if old < 0:
+                offers.append((False, -float(scores[expert]), slot, (layer, expert)))
+            elif self._beats(scores[expert:expert + 1], self.scores.flat[old:old + 1])[0]:
+                offers.append((True, float(self.scores.flat[old] - scores[expert]), slot, (layer, expert)))
             else:
                 break
         return offers
@@ -414,21 +439,21 @@ class ScoredPolicy(CachePolicy):
             counts = profile.layer_counts(layer)
             num_tokens = sum(counts.values()) / self.group.top_k
             if num_tokens > 0:
-                self._scores[layer] = np.zeros(self.group.num_experts)
+                self.scores[self.row[layer]] = 0.0
                 for expert, n in counts.items():
-                    self._scores[layer][expert] = n / num_tokens * self._seed_scale()
+                    self.scores[self.row[layer], expert] = n / num_tokens * self._seed_scale()
         return super().warm_start(profile)
 
 
 class DecayPolicy(ScoredPolicy):
     name = "decay"
 
-    def _update_scores(self, scores: np.ndarray, uses: np.ndarray, num_tokens: int) -> None:
-        scores *= self.config.decay**num_tokens
-        scores += uses
+    def _update_scores(self, uses: np.ndarray, num_tokens: np.ndarray) -> None:
+        self.scores *= (self.config.decay ** num_tokens)[:, None]
+        self.scores += uses
 
-    def _beats(self, candidate: float, resident: float) -> bool:
-        return candidate > resident
+    def _margin(self) -> float:
+        return 1.0
 
     def _seed_scale(self) -> float:
         return 1.0 / (1.0 - self.config.decay)  # steady state of s <- decay * s + 1
@@ -441,17 +466,14 @@ class LfruPolicy(ScoredPolicy):
         super().__init__(group, config, landing)
         self._steps = 0
 
-    def _start_step(self) -> None:
+    def _update_scores(self, uses: np.ndarray, num_tokens: np.ndarray) -> None:
         if self._steps and self._steps % self.config.lfru_halve_every == 0:
-            for scores in self._scores.values():
-                scores *= 0.5
+            self.scores *= 0.5
         self._steps += 1
+        self.scores += uses
 
-    def _update_scores(self, scores: np.ndarray, uses: np.ndarray, num_tokens: int) -> None:
-        scores += uses
-
-    def _beats(self, candidate: float, resident: float) -> bool:
-        return candidate > self.config.lfru_margin * resident
+    def _margin(self) -> float:
+        return self.config.lfru_margin
 
     def _seed_scale(self) -> float:
         return float(self.config.lfru_halve_every)  # uses over one halving period
@@ -464,17 +486,15 @@ class StaticPolicy(CachePolicy):
     name = "static"
     needs_profile = True
     offers_slots = False
+    shared_ring = True
 
-    def _make_rings(self) -> list[Ring]:
-        return [Ring(range(self.group.num_slots), self.group.layers)]
-
-    def _update(self, used: dict[int, list[int]]) -> None:
+    def _update(self, step: StepUse, landed: np.ndarray) -> None:
         pass
 
-    def _victims(self, ring: int, count: int, used: dict[int, list[int]]) -> list[Expert]:
-        return []
+    def _victims(self, counts: np.ndarray, step: StepUse, landed: np.ndarray) -> np.ndarray:
+        return np.zeros(0, dtype=np.int64)
 
-    def _admit(self, decision: Decision, used: dict[int, list[int]]) -> None:
+    def _admit(self, decision: Decision, step: StepUse) -> None:
         pass
 
 

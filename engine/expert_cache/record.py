@@ -32,21 +32,30 @@ class StepRecord:
 
 
 class RecordBuffers:
-    """The device record `[3 (ids, outcome, slot), moe_layers, max_pairs]` (int32) and its pinned host copy."""
+    """The device record `[max_pairs, 3 (ids, outcome, slot), moe_layers]` (int32: a step's pairs are its
+    first rows, one contiguous copy to the host) and its pinned host copy."""
 
     def __init__(self, num_layers: int, max_pairs: int, device: torch.device) -> None:
-        self.device = torch.zeros((3, num_layers, max_pairs), dtype=torch.int32, device=device)
+        self.device = torch.zeros((max_pairs, 3, num_layers), dtype=torch.int32, device=device)
         pin = device.type == "cuda"
         self.host = torch.zeros(self.device.shape, dtype=torch.int32, pin_memory=pin) if pin else self.device
 
+    def layer(self, row: int) -> torch.Tensor:
+        """`[max_pairs, 3]` view of one layer's part (what `ops.cache_step.assign_experts` writes)."""
+        return self.device[:, :, row]
+
+    def reset(self, num_pairs: int) -> None:
+        """Every field of the step's pairs -1: ids none, outcome PAD, slot none."""
+        self.device[:num_pairs] = -1
+
     def copy_to_host(self, num_pairs: int) -> None:
-        """The step's last operation: its rows `[:, :, :num_pairs]` to pinned memory (captured in graphs)."""
+        """The step's last operation: its pairs to pinned memory, one copy (captured in graphs)."""
         if self.host is not self.device:
-            self.host[:, :, :num_pairs].copy_(self.device[:, :, :num_pairs], non_blocking=True)
+            self.host[:num_pairs].copy_(self.device[:num_pairs], non_blocking=True)
 
     def take(self, num_pairs: int, num_tokens: int, is_prefill: bool) -> StepRecord:
         """A host copy of the finished step's record (call after the step synchronized)."""
-        data = self.host[:, :, :num_pairs].numpy().copy()
+        data = self.host[:num_pairs].numpy().transpose(1, 2, 0).copy()  # [3, layers, pairs]
         return StepRecord(data[0], data[1], data[2], num_tokens, is_prefill)
 
 

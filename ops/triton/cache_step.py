@@ -1,9 +1,10 @@
 """Triton kernels of `ops.cache_step` (the references and the semantics are there).
 
 `assign_experts` is one program per layer: a decode step has at most 32 tokens x top-k pairs, which
-one program holds in registers. Expert ids are deduplicated through the layer's scratch row (the
-first pair of each expert decides for it, found with an atomic min), so the result does not depend
-on the order threads run in. `begin_step` is one program per layer (publish the previous step's
+one program holds in registers. With several tokens, expert ids are deduplicated through the layer's
+scratch row (the first pair of each expert decides for it, found with an atomic min), so the result
+does not depend on the order threads run in; one token's experts are distinct, which saves the two
+round trips through memory on the batch-1 step. `begin_step` is one program per layer (publish the previous step's
 landings) plus programs over the host's changes, which touch disjoint entries.
 """
 
@@ -13,20 +14,26 @@ import torch
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-from ops.cache_step import HIT, LANDED, OFFER, ON_CPU, PAD, PUBLISH, STAGED, TAIL, UNPUBLISH, CpuJob, SlotTables
+from ops import cache_step as codes
+from ops.cache_step import CpuJob, SlotTables
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows
 
-MAX_PAIRS = 1024
+# the outcome and change codes, as the kernels see them
+PAD, HIT, STAGED, LANDED, ON_CPU = (tl.constexpr(c) for c in (codes.PAD, codes.HIT, codes.STAGED, codes.LANDED,
+                                                                codes.ON_CPU))
+PUBLISH, UNPUBLISH, OFFER, TAIL = (tl.constexpr(c) for c in (codes.PUBLISH, codes.UNPUBLISH, codes.OFFER, codes.TAIL))
+
+MAX_PAIRS = 1024  # a decode step's pairs, in one program
 CHANGES_BLOCK = 256
 
 
-@triton.jit(do_not_specialize=["x_stride", "num_pairs", "top_k", "hidden", "row", "record_stride"])
+@triton.jit(do_not_specialize=["x_stride", "num_pairs", "top_k", "hidden", "row", "pair_stride", "field_stride"])
 def _assign_kernel(
     ids_ptr, weights_ptr, x_ptr, x_stride, num_pairs, top_k, hidden, row,
     state, cur, host, staging, fill, scratch, pool_base, pool_stride, region_of, ring, head_of, tail_of, share_of,
-    num_experts, ring_capacity, record, record_stride,
+    num_experts, ring_capacity, record, pair_stride, field_stride,
     job_x, job_ids, job_weights, job_on_cpu, job_tokens,
-    LANDING: tl.constexpr, JOB: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+    LANDING: tl.constexpr, JOB: tl.constexpr, DEDUP: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     p = tl.arange(0, W)
     in_pairs = p < num_pairs
@@ -35,12 +42,13 @@ def _assign_kernel(
     safe = tl.where(valid, e, 0)
     row64 = row + tl.zeros([], tl.int64)
     experts_row = row64 * num_experts
-    # the first pair of each expert decides for it
-    tl.store(scratch + experts_row + safe, num_pairs, mask=valid)
-    tl.debug_barrier()
-    tl.atomic_min(scratch + experts_row + safe, p, mask=valid)
-    tl.debug_barrier()
-    is_first = valid & (tl.load(scratch + experts_row + safe, mask=valid, other=-1) == p)
+    is_first = valid  # one token: its experts are distinct
+    if DEDUP:  # the first pair of each expert decides for it
+        tl.store(scratch + experts_row + safe, num_pairs, mask=valid)
+        tl.debug_barrier()
+        tl.atomic_min(scratch + experts_row + safe, p, mask=valid)
+        tl.debug_barrier()
+        is_first = valid & (tl.load(scratch + experts_row + safe, mask=valid, other=-1) == p)
     slot_now = tl.load(state + experts_row + safe, mask=valid, other=-1)
     missed = is_first & (slot_now < 0)
     rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
@@ -68,18 +76,19 @@ def _assign_kernel(
                            tl.load(staging + entry, mask=streamed, other=0))
         tl.store(cur + entry, tl.where(on_cpu, 0, address), mask=missed)
     tl.store(fill + experts_row + safe, streamed.to(tl.int8), mask=is_first)
-    # every pair takes its expert's decision: (outcome + 1) | (slot + 1) << 3 through the scratch row
-    tl.debug_barrier()
-    tl.store(scratch + experts_row + safe, (outcome + 1) | ((slot + 1) << 3), mask=is_first)
-    tl.debug_barrier()
-    packed = tl.load(scratch + experts_row + safe, mask=valid, other=0)
-    decided = (packed & 7) - 1
+    decided, landed_slot = outcome, slot
+    if DEDUP:  # every pair takes its expert's decision: (outcome + 1) | (slot + 1) << 3 through the scratch row
+        tl.debug_barrier()
+        tl.store(scratch + experts_row + safe, (outcome + 1) | ((slot + 1) << 3), mask=is_first)
+        tl.debug_barrier()
+        packed = tl.load(scratch + experts_row + safe, mask=valid, other=0)
+        decided, landed_slot = (packed & 7) - 1, (packed >> 3) - 1
     pair_outcome = tl.where(valid, decided, PAD)
-    pair_slot = tl.where(decided == HIT, slot_now, (packed >> 3) - 1)
-    pair_slot = tl.where(valid, pair_slot, -1)
-    tl.store(record + p, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
-    tl.store(record + record_stride + p, pair_outcome.to(tl.int32), mask=in_pairs)
-    tl.store(record + 2 * record_stride + p, pair_slot.to(tl.int32), mask=in_pairs)
+    pair_slot = tl.where(valid, tl.where(decided == HIT, slot_now, landed_slot), -1)
+    at = record + p.to(tl.int64) * pair_stride
+    tl.store(at, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
+    tl.store(at + field_stride, pair_outcome.to(tl.int32), mask=in_pairs)
+    tl.store(at + 2 * field_stride, pair_slot.to(tl.int32), mask=in_pairs)
     if JOB:
         num_tokens = num_pairs // top_k
         tl.store(job_tokens, num_tokens)
@@ -106,10 +115,8 @@ def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x:
     check_rows("weights", weights, (tokens, top_k), FLOAT_DTYPES, device)
     check_rows("x", x, (tokens, x.shape[1]), FLOAT_DTYPES, device)
     check_device("record", record, device)
-    if record.dtype != torch.int32 or record.dim() != 2 or record.shape[0] != 3 or record.shape[1] < num_pairs \
-            or record.stride(1) != 1:
-        raise ValueError(f"record: expected int32 [3, >= {num_pairs}] with contiguous rows, got "
-                         f"{record.dtype} {tuple(record.shape)}")
+    if record.dtype != torch.int32 or record.dim() != 2 or record.shape[1] != 3 or record.shape[0] < num_pairs:
+        raise ValueError(f"record: expected int32 [>= {num_pairs}, 3], got {record.dtype} {tuple(record.shape)}")
     if expert_ids.stride(0) != top_k or weights.stride(0) != top_k:
         raise ValueError("expert_ids and weights must be contiguous [tokens, top_k]")
     if job is not None and (job.x.shape[1] != x.shape[1] or job.expert_ids.shape[0] < num_pairs):
@@ -119,29 +126,31 @@ def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x:
         expert_ids, weights, x, x.stride(0), num_pairs, top_k, x.shape[1], row,
         tables.state, tables.cur, tables.host, tables.staging, tables.fill, tables.scratch, tables.pool_base,
         tables.pool_stride, tables.region, tables.ring, tables.head, tables.tail, tables.share,
-        tables.num_experts, tables.ring.shape[1], record, record.stride(0),
+        tables.num_experts, tables.ring.shape[1], record, record.stride(0), record.stride(1),
         j.x, j.expert_ids, j.weights, j.on_cpu, j.num_tokens,
-        LANDING=bool(landing), JOB=job is not None, W=triton.next_power_of_2(num_pairs), BLOCK_H=1024,
+        LANDING=bool(landing), JOB=job is not None, DEDUP=tokens > 1, W=triton.next_power_of_2(num_pairs),
+        BLOCK_H=1024,
         num_warps=4,
     )
 
 
-@triton.jit(do_not_specialize=["num_layers", "record_stride", "layer_stride"])
+@triton.jit(do_not_specialize=["num_layers", "pair_stride", "field_stride"])
 def _begin_step_kernel(
     state, cur, pool_base, pool_stride, ring, tail_of, num_experts, ring_capacity,
-    record, record_stride, layer_stride, num_layers, header, changes,
+    record, pair_stride, field_stride, num_layers, header, changes,
     W: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < num_layers:  # publish the previous step's landings of layer pid
         num_pairs = tl.load(header + 1)
-        p = tl.arange(0, W)
-        mine = p < num_pairs
-        at = record + pid.to(tl.int64) * layer_stride + p
-        e = tl.load(at, mask=mine, other=-1).to(tl.int64)
-        landed = mine & (tl.load(at + record_stride, mask=mine, other=PAD) == LANDED)
-        slot = tl.load(at + 2 * record_stride, mask=landed, other=-1)
-        tl.store(state + pid.to(tl.int64) * num_experts + tl.where(landed, e, 0), slot, mask=landed)
+        for start in range(0, num_pairs, W):
+            p = start + tl.arange(0, W)
+            mine = p < num_pairs
+            at = record + pid.to(tl.int64) + p.to(tl.int64) * pair_stride
+            e = tl.load(at, mask=mine, other=-1).to(tl.int64)
+            landed = mine & (tl.load(at + field_stride, mask=mine, other=PAD) == LANDED)
+            slot = tl.load(at + 2 * field_stride, mask=landed, other=-1)
+            tl.store(state + pid.to(tl.int64) * num_experts + tl.where(landed, e, 0), slot, mask=landed)
     else:  # the host's changes, BLOCK of them a program
         count = tl.load(header)
         i = (pid - num_layers) * BLOCK + tl.arange(0, BLOCK)
@@ -164,15 +173,14 @@ def _begin_step_kernel(
 
 
 def begin_step(tables: SlotTables, record: torch.Tensor, header: torch.Tensor, changes: torch.Tensor) -> None:
-    num_layers, max_pairs = record.shape[1], record.shape[2]
-    if record.dtype != torch.int32 or record.dim() != 3 or record.stride(2) != 1 or max_pairs > MAX_PAIRS:
-        raise ValueError(f"record: expected int32 [3, layers, <= {MAX_PAIRS}], got {record.dtype} "
-                         f"{tuple(record.shape)}")
+    num_layers = record.shape[2]
+    if record.dtype != torch.int32 or record.dim() != 3 or record.shape[1] != 3 or record.stride(2) != 1:
+        raise ValueError(f"record: expected int32 [pairs, 3, layers], got {record.dtype} {tuple(record.shape)}")
     if changes.dtype != torch.int64 or changes.dim() != 2 or changes.shape[1] != 4 or not changes.is_contiguous():
         raise ValueError(f"changes: expected contiguous int64 [n, 4], got {changes.dtype} {tuple(changes.shape)}")
     grid = (num_layers + triton.cdiv(changes.shape[0], CHANGES_BLOCK),)
     _begin_step_kernel[grid](
         tables.state, tables.cur, tables.pool_base, tables.pool_stride, tables.ring, tables.tail, tables.num_experts,
         tables.ring.shape[1], record, record.stride(0), record.stride(1), num_layers, header, changes,
-        W=triton.next_power_of_2(max_pairs), BLOCK=CHANGES_BLOCK, num_warps=4,
+        W=256, BLOCK=CHANGES_BLOCK, num_warps=4,
     )

@@ -4,6 +4,7 @@ tables, and that the Triton kernels compute the same tables, records and CPU job
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import pytest
@@ -40,10 +41,10 @@ def clone(t: cs.SlotTables) -> cs.SlotTables:
 def assign(t: cs.SlotTables, ids: list[list[int]], landing: bool = True, row: int = 0,
            job: cs.CpuJob | None = None) -> torch.Tensor:
     expert_ids = torch.tensor(ids)
-    record = torch.zeros(3, expert_ids.numel(), dtype=torch.int32)
+    record = torch.zeros(expert_ids.numel(), 3, dtype=torch.int32)
     x = torch.arange(expert_ids.shape[0] * 4, dtype=torch.float32).view(-1, 4)
     cs.assign_experts_torch(row, expert_ids, torch.full(expert_ids.shape, 0.5), x, t, record, landing, job)
-    return record
+    return record.T  # [3 (ids, outcome, slot), pairs]
 
 
 def test_hits_keep_their_slots_and_misses_land_in_ring_order() -> None:
@@ -100,9 +101,9 @@ def test_cpu_mode_sends_every_miss_to_the_cpu_and_padding_nowhere() -> None:
 
 def test_begin_step_publishes_landings_and_applies_the_hosts_changes() -> None:
     t = tables(layers=2, cached=0)
-    record = torch.full((3, 2, 4), -1, dtype=torch.int32)
-    record[:, 1, :3] = torch.tensor([[7, 8, 9], [cs.LANDED, cs.STAGED, cs.LANDED], [103, -1, 104]])
-    record[:, 0, 3] = torch.tensor([6, cs.LANDED, 105])  # beyond the previous step's pairs: ignored
+    record = torch.full((4, 3, 2), -1, dtype=torch.int32)  # [pairs, 3, layers]
+    record[:3, :, 1] = torch.tensor([[7, 8, 9], [cs.LANDED, cs.STAGED, cs.LANDED], [103, -1, 104]]).T
+    record[3, :, 0] = torch.tensor([6, cs.LANDED, 105])  # beyond the previous step's pairs: ignored
     changes = torch.tensor([[cs.PUBLISH, 0, 2, 5], [cs.UNPUBLISH, 1, 11, 0], [cs.OFFER, 0, 9, 77],
                             [cs.TAIL, 0, 10, 0], [cs.PUBLISH, 0, 3, 6]])
     t.state[1, 11] = 1
@@ -123,31 +124,32 @@ def random_step(seed: int, device: torch.device) -> None:
     base.head.copy_(torch.tensor([3, 9]))
     base.tail.copy_(torch.tensor([6, 20]))
     base.share.copy_(torch.tensor([1.0, 0.5, 0.0, 1.0]))
-    tokens, top_k = int(torch.randint(1, 9, (1,), generator=g)), 4
-    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)])
-    ids[torch.rand(ids.shape, generator=g) < 0.1] = -1
-    weights, x = torch.rand(tokens, top_k, generator=g), torch.randn(tokens, 32, generator=g)
     on = lambda t: t.to(device)  # noqa: E731
-    for row in range(4):
-        for landing in (True, False):
-            ref, fused = clone(base), cs.SlotTables(*(on(getattr(base, f).clone()) for f in cs.SlotTables.__dataclass_fields__))
-            rec_ref, rec_fused = torch.zeros(3, 40, dtype=torch.int32), on(torch.zeros(3, 40, dtype=torch.int32))
-            job_ref = cs.CpuJob.allocate(8, top_k, 32, pin=False)
-            job_fused = cs.CpuJob.allocate(8, top_k, 32, pin=device.type == "cuda")
-            cs.assign_experts_torch(row, ids, weights, x, ref, rec_ref, landing, job_ref)
-            from ops.triton.cache_step import assign_experts
-            assign_experts(row, on(ids), on(weights), on(x), fused, rec_fused, landing, job_fused)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            used = ids[ids >= 0].unique()
-            for name in ("state", "cur", "head", "tail", "ring"):
-                assert torch.equal(getattr(ref, name), getattr(fused, name).cpu()), (name, row, landing)
-            assert torch.equal(ref.fill[row, used], fused.fill[row, used].cpu())
-            assert torch.equal(rec_ref, rec_fused.cpu()), (row, landing)
-            for f in ("x", "expert_ids", "weights", "on_cpu", "num_tokens"):
-                assert torch.equal(getattr(job_ref, f), getattr(job_fused, f)), f
-    record = torch.randint(-1, 4, (3, 4, 32), generator=g, dtype=torch.int32)
-    record[0] = torch.stack([torch.randperm(E, generator=g).repeat(2) for _ in range(4)])
+    for tokens, row, landing in itertools.product((1, int(torch.randint(2, 9, (1,), generator=g))), range(4),
+                                                  (True, False)):
+        top_k = 4
+        ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)])
+        ids[torch.rand(ids.shape, generator=g) < 0.1] = -1
+        weights, x = torch.rand(tokens, top_k, generator=g), torch.randn(tokens, 32, generator=g)
+        ref, fused = clone(base), cs.SlotTables(*(on(getattr(base, f).clone()) for f in cs.SlotTables.__dataclass_fields__))
+        rec_ref = torch.zeros(40, 3, 4, dtype=torch.int32)[:, :, row]  # a layer's strided part
+        rec_fused = on(torch.zeros(40, 3, 4, dtype=torch.int32))[:, :, row]
+        job_ref = cs.CpuJob.allocate(8, top_k, 32, pin=False)
+        job_fused = cs.CpuJob.allocate(8, top_k, 32, pin=device.type == "cuda")
+        cs.assign_experts_torch(row, ids, weights, x, ref, rec_ref, landing, job_ref)
+        from ops.triton.cache_step import assign_experts
+        assign_experts(row, on(ids), on(weights), on(x), fused, rec_fused, landing, job_fused)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        used = ids[ids >= 0].unique()
+        for name in ("state", "cur", "head", "tail", "ring"):
+            assert torch.equal(getattr(ref, name), getattr(fused, name).cpu()), (name, row, landing)
+        assert torch.equal(ref.fill[row, used], fused.fill[row, used].cpu())
+        assert torch.equal(rec_ref, rec_fused.cpu()), (row, landing)
+        for f in ("x", "expert_ids", "weights", "on_cpu", "num_tokens"):
+            assert torch.equal(getattr(job_ref, f), getattr(job_fused, f)), f
+    record = torch.randint(-1, 4, (32, 3, 4), generator=g, dtype=torch.int32)
+    record[:, 0] = torch.stack([torch.randperm(E, generator=g).repeat(2) for _ in range(4)]).T
     changes = torch.tensor([[0, 1, 3, 40], [1, 2, 5, 0], [2, 1, 13, 77], [3, 1, 14, 0], [0, 3, 9, 11], [9] * 4])
     header = torch.tensor([5, int(torch.randint(0, 33, (1,), generator=g))])
     ref, fused = clone(base), cs.SlotTables(*(on(getattr(base, f).clone()) for f in cs.SlotTables.__dataclass_fields__))
