@@ -1,4 +1,4 @@
-/* Shared pieces of the CPU expert kernels: SIMD level, activation blocks, half-float loads. */
+/* Shared pieces of the CPU expert kernels: SIMD level, half-float loads, the row-kernel contract. */
 #ifndef MOECACHE_COMMON_H
 #define MOECACHE_COMMON_H
 
@@ -21,27 +21,30 @@
 #endif
 
 #define MC_INLINE static inline __attribute__((always_inline))
+#define MC_ALIGN 64 /* a cache line: scratch rows start on one, so threads never share a line */
 
 #define QK_K 256
 #define QK8_0 32
 /* Tokens of one expert that share a single pass over a weight row. */
 #define MAX_TILE 8
+/* How far ahead of the row being computed weight rows are prefetched. */
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 3
+#endif
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
 
-/* int8 activations for the K-quants: x ~= d * qs; bsums[j] = sum of qs[16j .. 16j+15]. */
+/* Rows [0, num_rows) of one expert matrix, row_bytes apart. */
 typedef struct {
-    float d;
-    int8_t qs[QK_K];
-    int16_t bsums[QK_K / 16];
-} act_q8k;
+    const uint8_t *w;
+    int64_t row_bytes, num_rows;
+} row_span;
 
-/* int8 activations for Q8_0 weights: x ~= d * qs. */
-typedef struct {
-    float d;
-    int8_t qs[QK8_0];
-} act_q8_0;
-
-/* out[i] = dot(weight row w, activation row acts[i]) for i < nt <= MAX_TILE; n = columns. */
-typedef void (*dot_tile_fn)(const uint8_t *w, const uint8_t *const *acts, int nt, int64_t n, float *out);
+/* out[i * out_stride + r] = dot(row r of s, activation row acts[i]) for r < s.num_rows, i < nt <= MAX_TILE;
+ * n = columns. Rows are prefetched PREFETCH_BYTES ahead, running on into `next` past the last row. */
+typedef void (*dot_rows_fn)(row_span s, const uint8_t *const *acts, int nt, int64_t n, float *out,
+                            int64_t out_stride, row_span next);
 
 MC_INLINE float fp16_to_fp32(const uint8_t *p) {
     uint16_t h;
@@ -76,6 +79,24 @@ MC_INLINE float f32_at(const uint8_t *p) {
     float f;
     memcpy(&f, p, 4);
     return f;
+}
+
+MC_INLINE int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+/* Rows between a row and the one prefetched while it is computed. */
+MC_INLINE int64_t prefetch_rows(int64_t row_bytes) {
+    return PREFETCH_BYTES ? (PREFETCH_BYTES + row_bytes - 1) / row_bytes : 1 << 30;
+}
+
+/* Prefetch row r of s, or row r - s.num_rows of next past the end (nothing past next's end). */
+MC_INLINE void prefetch_row(row_span s, row_span next, int64_t r) {
+    if (r >= s.num_rows) {
+        r -= s.num_rows;
+        s = next;
+        if (!s.w || r >= s.num_rows) return;
+    }
+    const char *p = (const char *)(s.w + r * s.row_bytes);
+    for (int64_t off = 0; off < s.row_bytes; off += 64) __builtin_prefetch(p + off, 0, PREFETCH_LOCALITY);
 }
 
 #if MC_SIMD

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf.quants
@@ -56,15 +55,6 @@ ROUNDING_MARGIN = 2e-3  # in units of the int8 step
 FLOAT_RTOL = 1e-5
 
 HIDDEN, FF, NUM_EXPERTS = 512, 256, 6
-
-
-@pytest.fixture(scope="session", autouse=True)
-def native_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("moecache-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MOECACHE_CACHE_DIR", str(path))
-        mp.delenv("CC", raising=False)
-        yield path
 
 
 def kernel(flags: tuple[str, ...]) -> NativeExperts:
