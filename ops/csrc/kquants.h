@@ -31,11 +31,36 @@ MC_INLINE void k4_scale_words(const uint8_t *s12, uint32_t u[4]) {
     u[3] = ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u);
 }
 
+#if MC_SIMD
+/* k4_scale_words in vector lanes: 8 scale bytes, then 8 min bytes (reads 16 bytes from s12: the block
+ * goes on past its scales). */
+MC_INLINE __m128i k4_scale_bytes(const uint8_t *s12) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)s12);
+    const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)); /* w0, w2, w1, w2 */
+    const __m128i b = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)); /* w0, w0, w1, w1 */
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(b, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
+}
+
+/* fp16 d and dmin at the block's start */
+MC_INLINE void k4_d_dmin(const uint8_t *blk, float *d, float *dm) {
+    int32_t h;
+    memcpy(&h, blk, 4);
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(h));
+    *d = _mm_cvtss_f32(v), *dm = _mm_cvtss_f32(_mm_movehdup_ps(v));
+}
+#endif
+
 #if MC_SIMD == 2
 
-/* q[k]: weights 64k .. 64k+63; sc[k]: the int16 scale of each of its maddubs lanes (2 weights each) */
+/* q[k]: weights 64k .. 64k+63. The dot takes dpbusd sums of 4 products per int32 lane (|sum| <= 4 * 63 *
+ * 127 fits int16), packs the lanes of q[0], q[1] and of q[2], q[3] to int16 (packssdw interleaves them
+ * per 128-bit lane: 4 lanes of the first, 4 of the second) and scales them with one dpwssd each:
+ * sc[j] holds the scale of each packed int16 lane. */
 typedef struct {
-    __m512i q[4], sc[4];
+    __m512i q[4], sc[2];
     __m256i m16;
     float d, dm;
 } kq_blk;
@@ -45,21 +70,24 @@ typedef struct {
     __m256 m; /* the mins' part, subtracted at the end */
 } kq_acc;
 
-/* vpshufb controls: in 128-bit lane L of sc[k], every int16 takes scale byte 2k + L/2 (high byte 0) */
-static const uint8_t K4_SCALE_PICK[4][64] __attribute__((aligned(64))) = {
-#define K4_LANE(s) s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80
-#define K4_ROW(k) {K4_LANE(2 * k), K4_LANE(2 * k), K4_LANE(2 * k + 1), K4_LANE(2 * k + 1)}
-    K4_ROW(0), K4_ROW(1), K4_ROW(2), K4_ROW(3),
+/* vpshufb controls for Q4_K/Q5_K's 8 scale bytes (one per 32 weights): packed int16 lane i of 128-bit
+ * lane L of sc[j] comes from q[2j + i/4], whose lanes L = 0,1 are in group 4j + 2(i/4) and L = 2,3 in
+ * the next one; the high byte is 0. */
+static const uint8_t K4_SCALE_PICK[2][64] __attribute__((aligned(64))) = {
+#define K4_I16(s) s, 0x80, s, 0x80, s, 0x80, s, 0x80
+#define K4_LANE(a, b) K4_I16(a), K4_I16(b)
+#define K4_ROW(j) {K4_LANE(4 * j, 4 * j + 2), K4_LANE(4 * j, 4 * j + 2), K4_LANE(4 * j + 1, 4 * j + 3), \
+                   K4_LANE(4 * j + 1, 4 * j + 3)}
+    K4_ROW(0), K4_ROW(1),
 #undef K4_ROW
 #undef K4_LANE
+#undef K4_I16
 };
 
 MC_INLINE void k4_scales(const uint8_t *s12, kq_blk *r) {
-    uint32_t u[4];
-    k4_scale_words(s12, u);
-    const __m128i v = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+    const __m128i v = k4_scale_bytes(s12);
     const __m512i vb = _mm512_broadcast_i32x4(v);
-    for (int k = 0; k < 4; ++k) r->sc[k] = _mm512_shuffle_epi8(vb, _mm512_load_si512(K4_SCALE_PICK[k]));
+    for (int j = 0; j < 2; ++j) r->sc[j] = _mm512_shuffle_epi8(vb, _mm512_load_si512(K4_SCALE_PICK[j]));
     r->m16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v)); /* each per-32 min covers two groups of 16 */
 }
 
@@ -84,9 +112,14 @@ MC_INLINE void k5_high_bits(const uint8_t *qh, kq_blk *r) {
     for (int k = 0; k < 4; ++k) r->q[k] = or_high_bits(r->q[k], hb, 2 * k, 2 * k + 1, 0x10);
 }
 
-/* int16 lane j of a 64-weight vector is in Q6_K scale group j / 8 of the vector's four */
-static const int16_t K6_LANE_GROUP[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                                      2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+/* Q6_K scales, one per 16 weights: packed int16 lane i of 128-bit lane L of sc[j] is in group
+ * 8j + 4(i/4) + L */
+static const int16_t K6_SCALE_INDEX[2][32] __attribute__((aligned(64))) = {
+#define K6_LANE(g) g, g, g, g, g + 4, g + 4, g + 4, g + 4
+    {K6_LANE(0), K6_LANE(1), K6_LANE(2), K6_LANE(3)},
+    {K6_LANE(8), K6_LANE(9), K6_LANE(10), K6_LANE(11)},
+#undef K6_LANE
+};
 
 MC_INLINE void decode_q6k(const uint8_t *blk, kq_blk *r) {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
@@ -97,19 +130,18 @@ MC_INLINE void decode_q6k(const uint8_t *blk, kq_blk *r) {
         r->q[2 * h + 1] = or_high_bits(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hh, 4, 6, 0x30);
     }
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-    const __m512i group = _mm512_load_si512(K6_LANE_GROUP);
-    for (int k = 0; k < 4; ++k)
-        r->sc[k] = _mm512_permutexvar_epi16(_mm512_add_epi16(group, _mm512_set1_epi16((short)(4 * k))),
-                                            _mm512_castsi256_si512(s16));
+    for (int j = 0; j < 2; ++j)
+        r->sc[j] = _mm512_permutexvar_epi16(_mm512_load_si512(K6_SCALE_INDEX[j]), _mm512_castsi256_si512(s16));
     r->m16 = _mm256_slli_epi16(s16, 5); /* the -32 offset, as a min of 32 * scale */
     r->d = r->dm = fp16_to_fp32(blk + 208);
 }
 
 MC_INLINE __m512i kq_isum(const kq_blk *r, const int8_t *qs) {
-    __m512i s = _mm512_setzero_si512();
-    for (int k = 0; k < 4; ++k)
-        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(r->q[k], _mm512_load_si512(qs + 64 * k)), r->sc[k]);
-    return s;
+    const __m512i z = _mm512_setzero_si512();
+    __m512i p[4];
+    for (int k = 0; k < 4; ++k) p[k] = _mm512_dpbusd_epi32(z, r->q[k], _mm512_load_si512(qs + 64 * k));
+    const __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p[0], p[1]), r->sc[0]);
+    return _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p[2], p[3]), r->sc[1]);
 }
 
 /* Q4_K, Q5_K: the mins scale by dm */
@@ -157,9 +189,7 @@ MC_INLINE void kq_spread_scales(__m256i s16, kq_blk *r) {
 }
 
 MC_INLINE void k4_scales(const uint8_t *s12, kq_blk *r) {
-    uint32_t u[4];
-    k4_scale_words(s12, u);
-    const __m128i v = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+    const __m128i v = k4_scale_bytes(s12);
     /* each per-32 value covers two groups of 16 */
     kq_spread_scales(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v)), r);
     r->m16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
@@ -307,16 +337,21 @@ MC_INLINE float kq_acc_sum(kq_acc acc) { return acc.v - acc.m; }
 
 #endif
 
+#if !MC_SIMD
+MC_INLINE void k4_d_dmin(const uint8_t *blk, float *d, float *dm) {
+    *d = fp16_to_fp32(blk);
+    *dm = fp16_to_fp32(blk + 2);
+}
+#endif
+
 MC_INLINE void decode_q4k(const uint8_t *blk, kq_blk *r) {
-    r->d = fp16_to_fp32(blk);
-    r->dm = fp16_to_fp32(blk + 2);
+    k4_d_dmin(blk, &r->d, &r->dm);
     k4_scales(blk + 4, r);
     k4_nibbles(blk + 16, r);
 }
 
 MC_INLINE void decode_q5k(const uint8_t *blk, kq_blk *r) {
-    r->d = fp16_to_fp32(blk);
-    r->dm = fp16_to_fp32(blk + 2);
+    k4_d_dmin(blk, &r->d, &r->dm);
     k4_scales(blk + 4, r);
     k4_nibbles(blk + 48, r);
     k5_high_bits(blk + 16, r);
@@ -331,13 +366,13 @@ typedef void (*kq_dot_fn)(const kq_blk *r, const int8_t *qs, const int16_t *bsum
  * caller passes one, so the accumulators stay in registers. */
 MC_INLINE void kq_rows(row_span s, const uint8_t *const *acts, const int nt, int64_t n, float *out,
                        int64_t out_stride, row_span next, kq_decode_fn decode, kq_dot_fn dot, int64_t block_bytes) {
-    const int64_t pf = prefetch_rows(s.row_bytes);
+    const int64_t pf = prefetch_rows(s.row_bytes), nb = n / QK_K;
     for (int64_t r = 0; r < s.num_rows; ++r) {
         prefetch_row(s, next, r + pf);
         const uint8_t *w = s.w + r * s.row_bytes;
         kq_acc acc[MAX_TILE];
         for (int i = 0; i < nt; ++i) acc[i] = kq_acc_zero();
-        for (int64_t b = 0; b < n / QK_K; ++b) {
+        for (int64_t b = 0; b < nb; ++b) {
             kq_blk blk;
             decode(w + b * block_bytes, &blk);
             for (int i = 0; i < nt; ++i)
