@@ -27,9 +27,11 @@
 #define QK8_0 32
 /* Tokens of one expert that share a single pass over a weight row. */
 #define MAX_TILE 8
-/* How far ahead of the row being computed weight rows are prefetched. */
+/* How far ahead of the row being computed weight rows are prefetched, and where to: locality 1 (prefetcht2)
+ * fills L2, not L1, whose few fill buffers the demand loads need (into L1 was slower, measured on Zen 4);
+ * software prefetch also runs on across 4 KiB pages, where hardware prefetchers stop. */
 #ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 3
+#define PREFETCH_LOCALITY 1
 #endif
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
@@ -41,10 +43,20 @@ typedef struct {
     int64_t row_bytes, num_rows;
 } row_span;
 
-/* out[i * out_stride + r] = dot(row r of s, activation row acts[i]) for r < s.num_rows, i < nt <= MAX_TILE;
- * n = columns. Rows are prefetched PREFETCH_BYTES ahead, running on into `next` past the last row. */
-typedef void (*dot_rows_fn)(row_span s, const uint8_t *const *acts, int nt, int64_t n, float *out,
-                            int64_t out_stride, row_span next);
+/* The same rows of nm <= MAX_MATS matrices of one format, read together row by row so that each core keeps
+ * as many streams in flight (gate and up; two experts' down):
+ *   out[m][i * out_stride + r] = dot(row r of w[m], activation row acts[m][i])   r < num_rows, i < nt
+ * n = columns. Rows are prefetched PREFETCH_BYTES ahead, running on into next[m] past the last row. */
+#define MAX_MATS 2
+typedef struct {
+    int nm, nt;
+    int64_t num_rows, out_stride;
+    row_span w[MAX_MATS], next[MAX_MATS];
+    const uint8_t *const *acts[MAX_MATS];
+    float *out[MAX_MATS];
+} rows_job;
+
+typedef void (*dot_rows_fn)(const rows_job *j, int64_t n);
 
 MC_INLINE float fp16_to_fp32(const uint8_t *p) {
     uint16_t h;

@@ -362,34 +362,38 @@ MC_INLINE void decode_q5k(const uint8_t *blk, kq_blk *r) {
 typedef void (*kq_decode_fn)(const uint8_t *blk, kq_blk *r);
 typedef void (*kq_dot_fn)(const kq_blk *r, const int8_t *qs, const int16_t *bsums, float ad, kq_acc *acc);
 
-/* Each super-block is decoded once and used for all nt activation rows; nt is a constant where the
- * caller passes one, so the accumulators stay in registers. */
-MC_INLINE void kq_rows(row_span s, const uint8_t *const *acts, const int nt, int64_t n, float *out,
-                       int64_t out_stride, row_span next, kq_decode_fn decode, kq_dot_fn dot, int64_t block_bytes) {
-    const int64_t pf = prefetch_rows(s.row_bytes), nb = n / QK_K;
-    for (int64_t r = 0; r < s.num_rows; ++r) {
-        prefetch_row(s, next, r + pf);
-        const uint8_t *w = s.w + r * s.row_bytes;
-        kq_acc acc[MAX_TILE];
-        for (int i = 0; i < nt; ++i) acc[i] = kq_acc_zero();
-        for (int64_t b = 0; b < nb; ++b) {
-            kq_blk blk;
-            decode(w + b * block_bytes, &blk);
-            for (int i = 0; i < nt; ++i)
-                dot(&blk, (const int8_t *)acts[i] + b * QK_K, act_k_bsums(acts[i], n) + 16 * b,
-                    act_k_d(acts[i], n)[b], &acc[i]);
-        }
-        for (int i = 0; i < nt; ++i) out[i * out_stride + r] = kq_acc_sum(acc[i]);
+/* Each super-block is decoded once and used for all nt activation rows; nm and nt are constants where the
+ * caller passes them, so the accumulators stay in registers. */
+MC_INLINE void kq_rows(const rows_job *j, int64_t n, const int nm, const int nt, kq_decode_fn decode, kq_dot_fn dot,
+                       int64_t block_bytes) {
+    const int64_t pf = prefetch_rows(j->w[0].row_bytes);
+    for (int64_t r = 0; r < j->num_rows; ++r) {
+        for (int m = 0; m < nm; ++m) prefetch_row(j->w[m], j->next[m], r + pf);
+        kq_acc acc[MAX_MATS][MAX_TILE];
+        for (int m = 0; m < nm; ++m)
+            for (int i = 0; i < nt; ++i) acc[m][i] = kq_acc_zero();
+        for (int64_t b = 0; b < n / QK_K; ++b)
+            for (int m = 0; m < nm; ++m) {
+                kq_blk blk;
+                decode(j->w[m].w + r * j->w[m].row_bytes + b * block_bytes, &blk);
+                for (int i = 0; i < nt; ++i) {
+                    const uint8_t *a = j->acts[m][i];
+                    dot(&blk, (const int8_t *)a + b * QK_K, act_k_bsums(a, n) + 16 * b, act_k_d(a, n)[b], &acc[m][i]);
+                }
+            }
+        for (int m = 0; m < nm; ++m)
+            for (int i = 0; i < nt; ++i) j->out[m][i * j->out_stride + r] = kq_acc_sum(acc[m][i]);
     }
 }
 
-#define KQ_ROWS_FN(name, decode, dot, block_bytes)                                                            \
-    static void name(row_span s, const uint8_t *const *acts, int nt, int64_t n, float *out, int64_t out_stride, \
-                     row_span next) {                                                                         \
-        if (nt == 1)                                                                                          \
-            kq_rows(s, acts, 1, n, out, out_stride, next, decode, dot, block_bytes);                         \
-        else                                                                                                  \
-            kq_rows(s, acts, nt, n, out, out_stride, next, decode, dot, block_bytes);                        \
+#define KQ_ROWS_FN(name, decode, dot, block_bytes)                                \
+    static void name(const rows_job *j, int64_t n) {                              \
+        if (j->nt == 1 && j->nm == 1)                                             \
+            kq_rows(j, n, 1, 1, decode, dot, block_bytes);                        \
+        else if (j->nt == 1 && j->nm == 2)                                        \
+            kq_rows(j, n, 2, 1, decode, dot, block_bytes);                        \
+        else                                                                      \
+            kq_rows(j, n, j->nm, j->nt, decode, dot, block_bytes);                \
     }
 
 KQ_ROWS_FN(dot_q4k_rows, decode_q4k, kq_dot_min, 144)

@@ -4,8 +4,9 @@
  *                  group's last rows quantizes the group's h rows for the down projection
  *   down items     (rows): those rows of out for every token, summed over groups in expert order
  * An item waits only for what it reads (every x row; its group's h), never for all threads. Items read
- * ITEM_BYTES of weights or so: small enough to balance across threads, long enough to stream from DRAM;
- * the weights an item reads next are prefetched while it ends (see row_span in common.h).
+ * up to ITEM_BYTES of weights, fewer where that leaves each thread ITEMS_PER_THREAD items: long streams
+ * from DRAM, and balance across threads. The weights an item reads next are prefetched while it ends
+ * (rows_job in common.h).
  */
 #ifndef MOECACHE_LAYER_H
 #define MOECACHE_LAYER_H
@@ -15,7 +16,9 @@
 #include "pool.h"
 #include "quant.h"
 
-#define ITEM_BYTES (32 << 10)
+#ifndef ITEM_BYTES
+#define ITEM_BYTES (128 << 10)
+#endif
 #define ITEMS_PER_THREAD 8
 #define MAX_ITEM_ROWS 64
 #define GU_ROW_STEP 16 /* h rows of one item fill whole cache lines */
@@ -180,71 +183,98 @@ static void finish_gu_chunk(layer *L, int64_t g) {
     atomic_store_explicit(&L->group_ready[g], 1, memory_order_release);
 }
 
-static void gu_item(layer *L, int64_t i, row_span next) {
+/* The weight streams item i starts with (num_rows 0: none), for the item before it to prefetch. */
+static void item_spans(const layer *L, int64_t i, row_span next[MAX_MATS]) {
+    next[0] = next[1] = (row_span){0};
+    i -= L->num_x;
+    if (i < 0) return;
+    if (i < L->num_gu) {
+        const int64_t e = L->group_expert[i / L->gu_chunks], r0 = i % L->gu_chunks * L->gu_rows;
+        const int64_t nr = min64(L->gu_rows, L->gate.rows - r0);
+        next[0] = mat_rows(&L->gate, e, r0, nr), next[1] = mat_rows(&L->up, e, r0, nr);
+        return;
+    }
+    const int64_t r0 = (i - L->num_gu) * L->down_rows, nr = min64(L->down_rows, L->down.rows - r0);
+    for (int64_t g = 0; g < min64(L->num_groups, MAX_MATS); ++g) next[g] = mat_rows(&L->down, L->group_expert[g], r0, nr);
+}
+
+static void gu_item(layer *L, int64_t i, const row_span next[MAX_MATS]) {
     wait_at_least(&L->x_done, L->num_x);
     const int64_t g = i / L->gu_chunks, r0 = i % L->gu_chunks * L->gu_rows, ff = L->gate.rows;
     const int64_t nr = min64(L->gu_rows, ff - r0), e = L->group_expert[g], hidden = L->gate.cols;
-    const row_span gs = mat_rows(&L->gate, e, r0, nr), us = mat_rows(&L->up, e, r0, nr);
+    const row_span gs = mat_rows(&L->gate, e, r0, nr), us = mat_rows(&L->up, e, r0, nr), none = {0};
+    const int fused = L->gate.f == L->up.f; /* then xu is xg */
     for (int64_t p0 = L->group_start[g]; p0 < L->group_start[g + 1]; p0 += MAX_TILE) {
-        const int nt = (int)min64(L->group_start[g + 1] - p0, MAX_TILE);
+        const int nt = (int)min64(L->group_start[g + 1] - p0, MAX_TILE), last = p0 + nt == L->group_start[g + 1];
         const uint8_t *ag[MAX_TILE], *au[MAX_TILE];
         float gate[MAX_TILE * MAX_ITEM_ROWS], up[MAX_TILE * MAX_ITEM_ROWS];
         for (int k = 0; k < nt; ++k) {
             ag[k] = L->xg + L->pair_token[p0 + k] * L->xg_bytes;
             au[k] = L->xu + L->pair_token[p0 + k] * L->xu_bytes;
         }
-        L->gate.f->dot(gs, ag, nt, hidden, gate, nr, us);
-        L->up.f->dot(us, au, nt, hidden, up, nr, p0 + nt < L->group_start[g + 1] ? (row_span){0} : next);
+        if (fused) { /* gate and up rows in one pass: two streams */
+            const rows_job j = {2, nt, nr, nr, {gs, us}, {last ? next[0] : none, last ? next[1] : none}, {ag, ag},
+                                {gate, up}};
+            L->gate.f->dot(&j, hidden);
+        } else {
+            const rows_job jg = {1, nt, nr, nr, {gs}, {us}, {ag}, {gate}};
+            const rows_job ju = {1, nt, nr, nr, {us}, {last ? next[0] : none}, {au}, {up}};
+            L->gate.f->dot(&jg, hidden);
+            L->up.f->dot(&ju, hidden);
+        }
         for (int k = 0; k < nt; ++k)
             for (int64_t r = 0; r < nr; ++r) L->h[(p0 + k) * ff + r0 + r] = silu(gate[k * nr + r]) * up[k * nr + r];
     }
     finish_gu_chunk(L, g);
 }
 
-static void down_group(layer *L, int64_t g, int64_t r0, int64_t nr, row_span next) {
-    const int64_t hidden = L->down.rows, ff = L->down.cols, end = L->group_start[g + 1];
-    const row_span s = mat_rows(&L->down, L->group_expert[g], r0, nr);
-    for (int64_t p0 = L->group_start[g]; p0 < end; p0 += MAX_TILE) {
-        const int nt = (int)min64(end - p0, MAX_TILE);
-        const uint8_t *a[MAX_TILE];
-        float y[MAX_TILE * MAX_ITEM_ROWS];
-        for (int k = 0; k < nt; ++k) a[k] = L->hq + (p0 + k) * L->hq_bytes;
-        L->down.f->dot(s, a, nt, ff, y, nr, p0 + nt < end ? (row_span){0} : next);
-        for (int k = 0; k < nt; ++k) {
-            float *o = L->out + L->pair_token[p0 + k] * hidden + r0;
-            const float w = L->pair_weight[p0 + k];
-            for (int64_t r = 0; r < nr; ++r) o[r] += w * y[k * nr + r];
-        }
+/* out rows r0 .. r0+nr of the tokens of pairs p0 .. p0+nt += weight * y [nt, nr] */
+static void add_pairs(layer *L, int64_t p0, int nt, int64_t r0, int64_t nr, const float *y) {
+    for (int k = 0; k < nt; ++k) {
+        float *o = L->out + L->pair_token[p0 + k] * L->down.rows + r0;
+        const float w = L->pair_weight[p0 + k];
+        for (int64_t r = 0; r < nr; ++r) o[r] += w * y[k * nr + r];
     }
+}
+
+MC_INLINE int64_t group_size(const layer *L, int64_t g) { return L->group_start[g + 1] - L->group_start[g]; }
+
+/* Down rows r0 .. r0+nr of group g, and of g+1 in the same pass where both have the same single tile. */
+static int64_t down_groups(layer *L, int64_t g, int64_t r0, int64_t nr, const row_span next[MAX_MATS]) {
+    const int64_t n = group_size(L, g), ff = L->down.cols;
+    const int nm = g + 1 < L->num_groups && group_size(L, g + 1) == n && n <= MAX_TILE ? 2 : 1;
+    row_span after[MAX_MATS] = {next[0], {0}};
+    for (int m = 0; m < MAX_MATS && g + nm + m < L->num_groups; ++m)
+        after[m] = mat_rows(&L->down, L->group_expert[g + nm + m], r0, nr);
+    for (int64_t t0 = 0; t0 < n; t0 += MAX_TILE) {
+        const int nt = (int)min64(n - t0, MAX_TILE);
+        const uint8_t *a[MAX_MATS][MAX_TILE];
+        float y[MAX_MATS][MAX_TILE * MAX_ITEM_ROWS];
+        rows_job j = {nm, nt, nr, nr, {{0}}, {{0}}, {a[0], a[1]}, {y[0], y[1]}};
+        for (int m = 0; m < nm; ++m) {
+            wait_at_least(&L->group_ready[g + m], 1);
+            j.w[m] = mat_rows(&L->down, L->group_expert[g + m], r0, nr);
+            j.next[m] = t0 + nt == n ? after[m] : (row_span){0};
+            for (int k = 0; k < nt; ++k) a[m][k] = L->hq + (L->group_start[g + m] + t0 + k) * L->hq_bytes;
+        }
+        L->down.f->dot(&j, ff);
+        for (int m = 0; m < nm; ++m) add_pairs(L, L->group_start[g + m] + t0, nt, r0, nr, y[m]);
+    }
+    return g + nm;
 }
 
 /* NOTE: out[t, r] = 0 + the groups' terms in expert order, pairs in the caller's order within a group:
  * one thread, one order, whatever the thread count. */
-static void down_item(layer *L, int64_t i, row_span next) {
+static void down_item(layer *L, int64_t i, const row_span next[MAX_MATS]) {
     const int64_t r0 = i * L->down_rows, nr = min64(L->down_rows, L->down.rows - r0);
     for (int64_t t = 0; t < L->num_tokens; ++t) memset(L->out + t * L->down.rows + r0, 0, (size_t)nr * sizeof(float));
-    for (int64_t g = 0; g < L->num_groups; ++g) {
-        wait_at_least(&L->group_ready[g], 1);
-        const row_span after = g + 1 < L->num_groups ? mat_rows(&L->down, L->group_expert[g + 1], r0, nr) : next;
-        down_group(L, g, r0, nr, after);
-    }
-}
-
-/* The weights item i reads first ({0} for an x item). */
-static row_span item_span(const layer *L, int64_t i) {
-    if (i < L->num_x) return (row_span){0};
-    i -= L->num_x;
-    if (i < L->num_gu) {
-        const int64_t r0 = i % L->gu_chunks * L->gu_rows;
-        return mat_rows(&L->gate, L->group_expert[i / L->gu_chunks], r0, min64(L->gu_rows, L->gate.rows - r0));
-    }
-    const int64_t r0 = (i - L->num_gu) * L->down_rows;
-    return mat_rows(&L->down, L->group_expert[0], r0, min64(L->down_rows, L->down.rows - r0));
+    for (int64_t g = 0; g < L->num_groups;) g = down_groups(L, g, r0, nr, next);
 }
 
 static void layer_item(void *ctx, int64_t item, int64_t next) {
     layer *L = ctx;
-    const row_span after = next >= 0 ? item_span(L, next) : (row_span){0};
+    row_span after[MAX_MATS] = {{0}, {0}};
+    if (next >= 0) item_spans(L, next, after);
     if (item < L->num_x)
         x_item(L, item);
     else if (item < L->num_x + L->num_gu)
