@@ -386,12 +386,17 @@ MC_INLINE void kq_rows(const rows_job *j, int64_t n, const int nm, const int nt,
     }
 }
 
+/* one instance per common (nm, nt): batch 1 and 2 */
 #define KQ_ROWS_FN(name, decode, dot, block_bytes)                                \
     static void name(const rows_job *j, int64_t n) {                              \
-        if (j->nt == 1 && j->nm == 1)                                             \
+        if (j->nm == 1 && j->nt == 1)                                             \
             kq_rows(j, n, 1, 1, decode, dot, block_bytes);                        \
-        else if (j->nt == 1 && j->nm == 2)                                        \
+        else if (j->nm == 2 && j->nt == 1)                                        \
             kq_rows(j, n, 2, 1, decode, dot, block_bytes);                        \
+        else if (j->nm == 1 && j->nt == 2)                                        \
+            kq_rows(j, n, 1, 2, decode, dot, block_bytes);                        \
+        else if (j->nm == 2 && j->nt == 2)                                        \
+            kq_rows(j, n, 2, 2, decode, dot, block_bytes);                        \
         else                                                                      \
             kq_rows(j, n, j->nm, j->nt, decode, dot, block_bytes);                \
     }

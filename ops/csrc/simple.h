@@ -130,11 +130,16 @@ MC_INLINE void q8_rows(const rows_job *j, int64_t n, const int nm, const int nt)
     }
 }
 
+/* one instance per common (nm, nt): batch 1 and 2 */
 static void dot_q8_0_rows(const rows_job *j, int64_t n) {
-    if (j->nt == 1 && j->nm == 1)
+    if (j->nm == 1 && j->nt == 1)
         q8_rows(j, n, 1, 1);
-    else if (j->nt == 1 && j->nm == 2)
+    else if (j->nm == 2 && j->nt == 1)
         q8_rows(j, n, 2, 1);
+    else if (j->nm == 1 && j->nt == 2)
+        q8_rows(j, n, 1, 2);
+    else if (j->nm == 2 && j->nt == 2)
+        q8_rows(j, n, 2, 2);
     else
         q8_rows(j, n, j->nm, j->nt);
 }
