@@ -105,7 +105,7 @@ static int threads_for(const pool *p, int num_threads) {
 int moe_pool_start(int num_threads, int spin_us) {
     pthread_mutex_lock(&g_lock);
     pool *p = locked_pool();
-    if (spin_us >= 0) p->spin_ns = (int64_t)spin_us * 1000;
+    if (spin_us >= 0) atomic_store(&p->spin_ns, (int64_t)spin_us * 1000);
     if (num_threads > 0) p->default_threads = threads_for(p, num_threads);
     const int n = pool_grow(p, p->default_threads);
     pthread_mutex_unlock(&g_lock);

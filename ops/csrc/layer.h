@@ -195,7 +195,8 @@ static void item_spans(const layer *L, int64_t i, row_span next[MAX_MATS]) {
         return;
     }
     const int64_t r0 = (i - L->num_gu) * L->down_rows, nr = min64(L->down_rows, L->down.rows - r0);
-    for (int64_t g = 0; g < min64(L->num_groups, MAX_MATS); ++g) next[g] = mat_rows(&L->down, L->group_expert[g], r0, nr);
+    for (int64_t g = 0; g < min64(L->num_groups, MAX_MATS); ++g)
+        next[g] = mat_rows(&L->down, L->group_expert[g], r0, nr);
 }
 
 static void gu_item(layer *L, int64_t i, const row_span next[MAX_MATS]) {

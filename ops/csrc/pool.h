@@ -58,10 +58,10 @@ struct pool {
     _Alignas(64) _Atomic uint64_t claim;
     _Alignas(64) _Atomic int64_t done; /* items of the current job finished */
     _Alignas(64) pool_job job;         /* NOTE: written only between jobs, read only under a claimed item */
-    int job_threads;                   /* threads the current job may use, submitter included */
+    _Atomic int job_threads;           /* threads the current job may use, submitter included */
+    _Atomic int64_t spin_ns;           /* how long idle workers spin before they sleep */
     int num_threads;                   /* submitter + started workers */
     int default_threads;
-    int64_t spin_ns;
     pthread_mutex_t sleep_lock; /* condition-variable wake-ups, where there is no futex */
     pthread_cond_t wake;
     pool_worker workers[POOL_MAX_THREADS];
@@ -151,7 +151,7 @@ static uint32_t pool_wait(pool *p, uint32_t seen, int spin) {
         cpu_relax();
         if (i & 63) continue;
         const int64_t waited = now_ns() - start;
-        if (waited > p->spin_ns) break;
+        if (waited > atomic_load_explicit(&p->spin_ns, memory_order_relaxed)) break;
         if (waited > POLITE_NS) sched_yield();
     }
     /* NOTE: sleepers is raised before gen is read again, and the submitter reads sleepers after it
@@ -173,7 +173,8 @@ static void *pool_worker_main(void *arg) {
     int spin = 1;
     for (;;) {
         seen = pool_wait(p, seen, spin);
-        spin = me->index < p->job_threads; /* a thread this job does not need goes back to sleep */
+        /* a thread this job does not need goes back to sleep */
+        spin = me->index < atomic_load_explicit(&p->job_threads, memory_order_relaxed);
         if (spin) pool_work(p, seen);
     }
     return NULL;
@@ -205,7 +206,7 @@ static void pool_run(pool *p, const pool_job *job, int num_threads) {
     pool_grow(p, num_threads);
     const uint32_t gen = atomic_load_explicit(&p->gen, memory_order_relaxed) + 1;
     p->job = *job;
-    p->job_threads = num_threads;
+    atomic_store_explicit(&p->job_threads, num_threads, memory_order_relaxed);
     atomic_store_explicit(&p->done, 0, memory_order_relaxed);
     atomic_store_explicit(&p->claim, claim_word(gen, job->num_items, 0), memory_order_release);
     atomic_store(&p->gen, gen);
@@ -219,7 +220,7 @@ static void pool_init(pool *p) {
     p->num_threads = 1;
     const long cores = sysconf(_SC_NPROCESSORS_ONLN);
     p->default_threads = cores > 0 ? (int)(cores < POOL_MAX_THREADS ? cores : POOL_MAX_THREADS) : 1;
-    p->spin_ns = POOL_DEFAULT_SPIN_NS;
+    atomic_store(&p->spin_ns, POOL_DEFAULT_SPIN_NS);
     pthread_mutex_init(&p->sleep_lock, NULL);
     pthread_cond_init(&p->wake, NULL);
 }

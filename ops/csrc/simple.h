@@ -56,7 +56,8 @@ MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *cons
         q8_decode_pair(w + 34 * b, &p);
     else
         q8_decode_one(w + 34 * b, &p);
-    for (int i = 0; i < nt; ++i) q8_dot_pair(&p, (const int8_t *)acts[i] + 32 * b, act_q8_0_d(acts[i], n) + b, two, &acc[i]);
+    for (int i = 0; i < nt; ++i)
+        q8_dot_pair(&p, (const int8_t *)acts[i] + 32 * b, act_q8_0_d(acts[i], n) + b, two, &acc[i]);
 }
 
 MC_INLINE q8_acc q8_acc_zero(void) { return _mm512_setzero_ps(); }
