@@ -116,8 +116,9 @@ class NativeExperts:
         lib.moe_supports_type.argtypes = [ctypes.c_int]
         self._supports = lib.moe_supports_type
         self.simd = _SIMD_NAMES[lib.moe_simd_level()]
-        lib.moe_pool_start.argtypes = [i32, i32]
-        self._pool_start, self._pool_threads = lib.moe_pool_start, lib.moe_pool_threads
+        lib.moe_pool_start.argtypes, lib.moe_pool_reserve.argtypes = [i32, i32], [i32]
+        self._pool_start, self._pool_reserve = lib.moe_pool_start, lib.moe_pool_reserve
+        self._pool_threads = lib.moe_pool_threads
         lib.moe_task_size.restype = ctypes.c_size_t
         self.task_run = lib.moe_task_run
         self.task_run.argtypes, self.task_run.restype = [ptr], None
@@ -131,6 +132,10 @@ class NativeExperts:
         """Size the worker pool (threads per layer, the caller included; default: one per core) and how long
         idle workers spin before they sleep; returns the pool's thread count. Calls may ask for fewer."""
         return int(self._pool_start(num_threads or 0, -1 if spin_us is None else spin_us))
+
+    def reserve_threads(self, num_threads: int | None = None) -> int:
+        """Start the threads a layer of num_threads (default: the pool's) needs now rather than at its first call."""
+        return int(self._pool_reserve(num_threads or 0))
 
     @property
     def pool_threads(self) -> int:
@@ -207,8 +212,8 @@ class ExpertTask:
         lib = lib or load_native()
         if lib is None or not lib.supports(w) or w.gate.device.type != "cpu":
             raise ValueError("ExpertTask needs the native kernel, a supported type and experts in host memory")
-        max_tokens, pairs = x.shape[0], expert_ids.numel()
-        if x.dim() != 2 or x.shape[1] != w.hidden or max_tokens == 0 or pairs % max_tokens:
+        max_tokens, pairs = (x.shape[0] if x.dim() == 2 else 0), expert_ids.numel()
+        if max_tokens == 0 or x.shape[1] != w.hidden or pairs % max_tokens:
             raise ValueError(f"x [max_tokens, {w.hidden}] and expert_ids [max_tokens, top_k] do not match")
         _host_tensor("x", x, torch.float32, max_tokens * w.hidden)
         _host_tensor("out", out, torch.float32, max_tokens * w.hidden)
@@ -216,6 +221,7 @@ class ExpertTask:
                                ("on_cpu", on_cpu, torch.int32)):
             _host_tensor(name, t, dtype, pairs)
         _host_tensor("num_tokens", num_tokens, torch.int32, 1)
+        lib.reserve_threads(num_threads)  # not on the first run, in a CUDA driver's thread
         self._lib, self._tensors = lib, (w, x, expert_ids, weights, on_cpu, num_tokens, out)
         self.struct = MoeTaskStruct(
             x.data_ptr(), expert_ids.data_ptr(), weights.data_ptr(), on_cpu.data_ptr(), num_tokens.data_ptr(),

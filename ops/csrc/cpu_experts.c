@@ -112,6 +112,16 @@ int moe_pool_start(int num_threads, int spin_us) {
     return n;
 }
 
+/* Start threads until a layer can run on num_threads (<= 0: the default) without starting any; returns the
+ * pool's thread count. */
+int moe_pool_reserve(int num_threads) {
+    pthread_mutex_lock(&g_lock);
+    pool *p = locked_pool();
+    const int n = pool_grow(p, threads_for(p, num_threads));
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
 /* Threads started so far, the caller included. */
 int moe_pool_threads(void) {
     pthread_mutex_lock(&g_lock);

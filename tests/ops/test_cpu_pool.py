@@ -116,3 +116,4 @@ def test_idle_workers_sleep_and_wake_for_the_next_layer(lib: NativeExperts) -> N
 def test_pool_grows_to_the_thread_count_asked(lib: NativeExperts) -> None:
     lib.ffn(*layer(seed=4), num_threads=MAX_THREADS + 1)
     assert lib.pool_threads >= MAX_THREADS + 1
+    assert lib.reserve_threads(MAX_THREADS + 2) == lib.pool_threads >= MAX_THREADS + 2
