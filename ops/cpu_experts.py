@@ -525,6 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     layouts = (
         (QType.Q4_K, QType.Q4_K),
         (QType.Q4_K, QType.Q6_K),
+        (QType.Q5_K, QType.Q5_K),
         (QType.Q6_K, QType.Q6_K),
         (QType.Q8_0, QType.Q8_0),
     )
