@@ -3,6 +3,9 @@
 `expert_ffn_cpu` runs the C kernel of `ops/csrc/cpu_experts.c` (Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16,
 F32; AVX-512 VNNI, AVX2 or portable C, picked at compile time) in one call per layer, and falls back
 to torch (row tiles dequantized with `ops.quants`) for other types or when no C compiler is present.
+The kernel runs on a persistent native worker pool (`NativeExperts.start_pool`) with the calling thread.
+`ExpertTask` is the same computation as a native task a CUDA graph's host node runs (`cuLaunchHostFunc`
+with `ExpertTask.function_address` and `ExpertTask.address`): no Python and no GIL on that path.
 `expert_ffn_reference` is the slow, obviously-correct twin used by the tests.
 """
 
@@ -31,7 +34,7 @@ TILE_ROWS = 256  # rows dequantized at a time by the torch path
 _SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 _ERRORS = {
     -1: "unsupported tensor type",
-    -2: "row length is not a multiple of the block size",
+    -2: "bad shape (a row length not a multiple of the block size, or more tokens than the buffers)",
     -3: "token id out of range",
     -4: "expert id out of range",
     -5: "out of memory",
@@ -88,6 +91,18 @@ class ExpertWeights:
         return (self.gate[0].numel() + self.up[0].numel() + self.down[0].numel()) * self.gate.element_size()
 
 
+class MoeTaskStruct(ctypes.Structure):
+    """Mirror of `struct moe_task` in ops/csrc/cpu_experts.c (checked against its size at load)."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("x", "expert_ids", "weights", "on_cpu", "num_tokens", "out")),
+        *((name, ctypes.c_int64) for name in ("max_tokens", "top_k", "hidden", "ff", "num_experts")),
+        *((name, ctypes.c_void_p) for name in ("gate", "up", "down")),
+        *((name, ctypes.c_int32) for name in ("gate_type", "up_type", "down_type", "num_threads", "error", "reserved")),
+        *((name, ctypes.c_int64) for name in ("calls", "pairs", "experts", "bytes", "busy_ns")),
+    ]
+
+
 class NativeExperts:
     """Typed launcher for the compiled kernel."""
 
@@ -101,9 +116,30 @@ class NativeExperts:
         lib.moe_supports_type.argtypes = [ctypes.c_int]
         self._supports = lib.moe_supports_type
         self.simd = _SIMD_NAMES[lib.moe_simd_level()]
+        lib.moe_pool_start.argtypes, lib.moe_pool_reserve.argtypes = [i32, i32], [i32]
+        self._pool_start, self._pool_reserve = lib.moe_pool_start, lib.moe_pool_reserve
+        self._pool_threads = lib.moe_pool_threads
+        lib.moe_task_size.restype = ctypes.c_size_t
+        self.task_run = lib.moe_task_run
+        self.task_run.argtypes, self.task_run.restype = [ptr], None
+        if ctypes.sizeof(MoeTaskStruct) != lib.moe_task_size():
+            raise RuntimeError("MoeTaskStruct does not match struct moe_task in ops/csrc/cpu_experts.c")
 
     def supports(self, w: ExpertWeights) -> bool:
         return all(self._supports(int(t)) for t in (w.gate_type, w.up_type, w.down_type))
+
+    def start_pool(self, num_threads: int | None = None, spin_us: int | None = None) -> int:
+        """Size the worker pool (threads per layer, the caller included; default: one per core) and how long
+        idle workers spin before they sleep; returns the pool's thread count. Calls may ask for fewer."""
+        return int(self._pool_start(num_threads or 0, -1 if spin_us is None else spin_us))
+
+    def reserve_threads(self, num_threads: int | None = None) -> int:
+        """Start the threads a layer of num_threads (default: the pool's) needs now rather than at its first call."""
+        return int(self._pool_reserve(num_threads or 0))
+
+    @property
+    def pool_threads(self) -> int:
+        return int(self._pool_threads())
 
     def ffn(
         self,
@@ -115,7 +151,7 @@ class NativeExperts:
         num_threads: int | None = None,
     ) -> torch.Tensor:
         x, token_ids, expert_ids, weights = _checked(x, token_ids, expert_ids, weights, w)
-        out = torch.zeros_like(x)
+        out = torch.empty_like(x)  # the kernel writes every row
         rc = self._ffn(
             x.data_ptr(),
             x.shape[0],
@@ -138,6 +174,81 @@ class NativeExperts:
         if rc:
             raise ValueError(f"expert_ffn_cpu: {_ERRORS.get(rc, f'error {rc}')}")
         return out
+
+
+@dataclass(frozen=True)
+class TaskCounters:
+    """Cumulative over an ExpertTask's runs; `bytes` counts each run's distinct experts once."""
+
+    calls: int
+    pairs: int
+    experts: int
+    bytes: int
+    busy_ns: int
+    error: int  # of the last run: 0, or the kernel's error code
+
+
+def _host_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != numel:
+        raise ValueError(f"{name}: expected contiguous {dtype} host tensor of {numel} elements, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+    return t
+
+
+class ExpertTask:
+    """One layer's CPU-computed pairs as a native task (`struct moe_task`), for a CUDA graph's host node:
+    `cuLaunchHostFunc(stream, function_address, address)`; `run()` makes the same call from Python.
+
+    The task reads its inputs when it runs (pinned tensors a GPU kernel writes before the host node):
+    x float32 [max_tokens, hidden]; expert_ids int32, weights float32, on_cpu int32 [max_tokens, top_k]
+    (pair p is token p // top_k's; it is computed where on_cpu[p] != 0 and expert_ids[p] >= 0);
+    num_tokens int32 [1]. It writes out float32 [max_tokens, hidden] rows < num_tokens: the weighted sum of
+    the flagged pairs, bit-identical to `expert_ffn_cpu` on them. The tensors are kept alive here.
+    """
+
+    def __init__(self, w: ExpertWeights, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                 on_cpu: torch.Tensor, num_tokens: torch.Tensor, out: torch.Tensor, *,
+                 num_threads: int | None = None, lib: NativeExperts | None = None) -> None:
+        lib = lib or load_native()
+        if lib is None or not lib.supports(w) or w.gate.device.type != "cpu":
+            raise ValueError("ExpertTask needs the native kernel, a supported type and experts in host memory")
+        max_tokens, pairs = (x.shape[0] if x.dim() == 2 else 0), expert_ids.numel()
+        if max_tokens == 0 or x.shape[1] != w.hidden or pairs % max_tokens:
+            raise ValueError(f"x [max_tokens, {w.hidden}] and expert_ids [max_tokens, top_k] do not match")
+        _host_tensor("x", x, torch.float32, max_tokens * w.hidden)
+        _host_tensor("out", out, torch.float32, max_tokens * w.hidden)
+        for name, t, dtype in (("expert_ids", expert_ids, torch.int32), ("weights", weights, torch.float32),
+                               ("on_cpu", on_cpu, torch.int32)):
+            _host_tensor(name, t, dtype, pairs)
+        _host_tensor("num_tokens", num_tokens, torch.int32, 1)
+        lib.reserve_threads(num_threads)  # not on the first run, in a CUDA driver's thread
+        self._lib, self._tensors = lib, (w, x, expert_ids, weights, on_cpu, num_tokens, out)
+        self.struct = MoeTaskStruct(
+            x.data_ptr(), expert_ids.data_ptr(), weights.data_ptr(), on_cpu.data_ptr(), num_tokens.data_ptr(),
+            out.data_ptr(), max_tokens, pairs // max_tokens, w.hidden, w.ff, w.num_experts, w.gate.data_ptr(),
+            w.up.data_ptr(), w.down.data_ptr(), int(w.gate_type), int(w.up_type), int(w.down_type),
+            num_threads or 0)
+
+    @property
+    def address(self) -> int:
+        """Address of the `struct moe_task`: the host function's argument."""
+        return ctypes.addressof(self.struct)
+
+    @property
+    def function_address(self) -> int:
+        """Address of `void moe_task_run(void *)`."""
+        return int(ctypes.cast(self._lib.task_run, ctypes.c_void_p).value or 0)
+
+    def run(self) -> None:
+        """Compute the flagged pairs now (the GIL released); raises ValueError on bad ids (out then 0)."""
+        self._lib.task_run(self.address)
+        if self.struct.error:
+            raise ValueError(f"ExpertTask: {_ERRORS.get(self.struct.error, f'error {self.struct.error}')}")
+
+    @property
+    def counters(self) -> TaskCounters:
+        s = self.struct
+        return TaskCounters(s.calls, s.pairs, s.experts, s.bytes, s.busy_ns, s.error)
 
 
 _wrap = functools.cache(NativeExperts)
@@ -414,6 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     layouts = (
         (QType.Q4_K, QType.Q4_K),
         (QType.Q4_K, QType.Q6_K),
+        (QType.Q5_K, QType.Q5_K),
         (QType.Q6_K, QType.Q6_K),
         (QType.Q8_0, QType.Q8_0),
     )

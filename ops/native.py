@@ -21,7 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+BASE_FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11")
 COMPILE_TIMEOUT_S = 300
 
 _lock = threading.Lock()

@@ -1,4 +1,4 @@
-/* Shared pieces of the CPU expert kernels: SIMD level, activation blocks, half-float loads. */
+/* Shared pieces of the CPU expert kernels: SIMD level, half-float loads, the row-kernel contract. */
 #ifndef MOECACHE_COMMON_H
 #define MOECACHE_COMMON_H
 
@@ -21,27 +21,42 @@
 #endif
 
 #define MC_INLINE static inline __attribute__((always_inline))
+#define MC_ALIGN 64 /* a cache line: scratch rows start on one, so threads never share a line */
 
 #define QK_K 256
 #define QK8_0 32
 /* Tokens of one expert that share a single pass over a weight row. */
 #define MAX_TILE 8
+/* How far ahead of the row being computed weight rows are prefetched, and where to: locality 1 (prefetcht2)
+ * fills L2, not L1, whose few fill buffers the demand loads need (into L1 was slower, measured on Zen 4);
+ * software prefetch also runs on across 4 KiB pages, where hardware prefetchers stop. */
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 1
+#endif
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
 
-/* int8 activations for the K-quants: x ~= d * qs; bsums[j] = sum of qs[16j .. 16j+15]. */
+/* Rows [0, num_rows) of one expert matrix, row_bytes apart. */
 typedef struct {
-    float d;
-    int8_t qs[QK_K];
-    int16_t bsums[QK_K / 16];
-} act_q8k;
+    const uint8_t *w;
+    int64_t row_bytes, num_rows;
+} row_span;
 
-/* int8 activations for Q8_0 weights: x ~= d * qs. */
+/* The same rows of nm <= MAX_MATS matrices of one format, read together row by row so that each core keeps
+ * as many streams in flight (gate and up; two experts' down):
+ *   out[m][i * out_stride + r] = dot(row r of w[m], activation row acts[m][i])   r < num_rows, i < nt
+ * n = columns. Rows are prefetched PREFETCH_BYTES ahead, running on into next[m] past the last row. */
+#define MAX_MATS 2
 typedef struct {
-    float d;
-    int8_t qs[QK8_0];
-} act_q8_0;
+    int nm, nt;
+    int64_t num_rows, out_stride;
+    row_span w[MAX_MATS], next[MAX_MATS];
+    const uint8_t *const *acts[MAX_MATS];
+    float *out[MAX_MATS];
+} rows_job;
 
-/* out[i] = dot(weight row w, activation row acts[i]) for i < nt <= MAX_TILE; n = columns. */
-typedef void (*dot_tile_fn)(const uint8_t *w, const uint8_t *const *acts, int nt, int64_t n, float *out);
+typedef void (*dot_rows_fn)(const rows_job *j, int64_t n);
 
 MC_INLINE float fp16_to_fp32(const uint8_t *p) {
     uint16_t h;
@@ -76,6 +91,24 @@ MC_INLINE float f32_at(const uint8_t *p) {
     float f;
     memcpy(&f, p, 4);
     return f;
+}
+
+MC_INLINE int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+/* Rows between a row and the one prefetched while it is computed. */
+MC_INLINE int64_t prefetch_rows(int64_t row_bytes) {
+    return PREFETCH_BYTES ? (PREFETCH_BYTES + row_bytes - 1) / row_bytes : 1 << 30;
+}
+
+/* Prefetch row r of s, or row r - s.num_rows of next past the end (nothing past next's end). */
+MC_INLINE void prefetch_row(row_span s, row_span next, int64_t r) {
+    if (r >= s.num_rows) {
+        r -= s.num_rows;
+        s = next;
+        if (!s.w || r >= s.num_rows) return;
+    }
+    const char *p = (const char *)(s.w + r * s.row_bytes);
+    for (int64_t off = 0; off < s.row_bytes; off += 64) __builtin_prefetch(p + off, 0, PREFETCH_LOCALITY);
 }
 
 #if MC_SIMD

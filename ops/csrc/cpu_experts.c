@@ -2,27 +2,26 @@
  *
  *   out[t] = sum over pairs p with token[p] == t of weight[p] * down_e(silu(gate_e(x_t)) * up_e(x_t))
  *
- * One call per layer. Pairs are grouped by expert; every weight row is read once per call and used
- * for all pairs of its expert (MAX_TILE at a time). Weight blocks are decoded in registers inside
- * the dot products, never into a dequantized matrix. Activations are quantized once per call to the
- * int8 form the weight format multiplies with. OpenMP threads split the output rows; every output
- * element is summed by one thread in a fixed order, so results do not depend on the thread count.
- * Threads wait for work to be done, not for each other: on a busy host a thread that starts late
- * finds its share taken instead of holding up a barrier.
+ * One call per layer, run by a persistent worker pool (pool.h) with the calling thread, as one job of
+ * numbered items (layer.h). Pairs are grouped by expert; every weight row is read once per call and used
+ * for all pairs of its expert (MAX_TILE at a time). Weight blocks are decoded in registers inside the dot
+ * products, never into a dequantized matrix. Activations are quantized once per call to the int8 form
+ * the weight format multiplies with (quant.h). Every output element is summed by one thread in a fixed
+ * order, so results do not depend on the thread count.
+ *
+ * Two entry points: moe_expert_ffn (pairs as arrays, from Python through ctypes) and moe_task_run (a
+ * moe_task, from a CUDA graph's host node: no Python, no GIL, no CUDA). Calls are serialized: one layer
+ * at a time owns the pool and the scratch.
  */
-#define _POSIX_C_SOURCE 200809L
-#include <omp.h>
-#include <sched.h>
+#define _GNU_SOURCE
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "common.h"
 #include "kquants.h"
+#include "layer.h"
+#include "pool.h"
 #include "simple.h"
-
-/* Rows of one expert matrix per work item. */
-#define ROW_CHUNK 32
-/* Below this many activations, x is quantized by the calling thread alone. */
-#define SERIAL_QUANT_MAX 65536
 
 enum {
     MOE_OK = 0,
@@ -33,65 +32,13 @@ enum {
     MOE_ENOMEM = -5,
 };
 
-/* ---- activation formats ---- */
-
-typedef void (*quant_fn)(const float *x, uint8_t *y, int64_t n);
-
-typedef struct {
-    int block;
-    int bytes;
-    quant_fn quant;
-} act_fmt;
-
-/* q = round(x * 127 / max|x|), half to even; returns the scale d with x ~= d * q. */
-static float quant_int8(const float *x, int8_t *q, int n) {
-    float amax = 0.0f;
-    for (int i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < n; ++i) q[i] = (int8_t)fmaxf(-127.0f, fminf(127.0f, nearbyintf(x[i] * id)));
-    return amax / 127.0f;
-}
-
-static void quant_q8k(const float *x, uint8_t *y, int64_t n) {
-    for (int64_t b = 0; b < n / QK_K; ++b) {
-        act_q8k *yb = (act_q8k *)y + b;
-        yb->d = quant_int8(x + b * QK_K, yb->qs, QK_K);
-        for (int j = 0; j < QK_K / 16; ++j) {
-            int s = 0;
-            for (int l = 0; l < 16; ++l) s += yb->qs[16 * j + l];
-            yb->bsums[j] = (int16_t)s;
-        }
-    }
-}
-
-static void quant_q8_0(const float *x, uint8_t *y, int64_t n) {
-    for (int64_t b = 0; b < n / QK8_0; ++b) {
-        act_q8_0 *yb = (act_q8_0 *)y + b;
-        yb->d = quant_int8(x + b * QK8_0, yb->qs, QK8_0);
-    }
-}
-
-static void quant_f32(const float *x, uint8_t *y, int64_t n) { memcpy(y, x, (size_t)n * sizeof(float)); }
-
-static const act_fmt ACT_Q8K = {QK_K, (int)sizeof(act_q8k), quant_q8k};
-static const act_fmt ACT_Q8_0 = {QK8_0, (int)sizeof(act_q8_0), quant_q8_0};
-static const act_fmt ACT_F32 = {1, (int)sizeof(float), quant_f32};
-
 /* ---- weight formats, by ggml type id ---- */
 
-typedef struct {
-    int type;
-    int block;
-    int bytes;
-    const act_fmt *act;
-    dot_tile_fn dot;
-} weight_fmt;
-
 static const weight_fmt FORMATS[] = {
-    {0, 1, 4, &ACT_F32, dot_f32_tile},       {1, 1, 2, &ACT_F32, dot_f16_tile},
-    {30, 1, 2, &ACT_F32, dot_bf16_tile},     {8, QK8_0, 34, &ACT_Q8_0, dot_q8_0_tile},
-    {12, QK_K, 144, &ACT_Q8K, dot_q4k_tile}, {13, QK_K, 176, &ACT_Q8K, dot_q5k_tile},
-    {14, QK_K, 210, &ACT_Q8K, dot_q6k_tile},
+    {0, 1, 4, &ACT_F32, dot_f32_rows},       {1, 1, 2, &ACT_F32, dot_f16_rows},
+    {30, 1, 2, &ACT_F32, dot_bf16_rows},     {8, QK8_0, 34, &ACT_Q8_0, dot_q8_0_rows},
+    {12, QK_K, 144, &ACT_K, dot_q4k_rows},   {13, QK_K, 176, &ACT_K, dot_q5k_rows},
+    {14, QK_K, 210, &ACT_K, dot_q6k_rows},
 };
 
 static const weight_fmt *find_format(int type) {
@@ -105,28 +52,6 @@ int moe_supports_type(int type) { return find_format(type) != NULL; }
 /* 2: AVX-512 VNNI, 1: AVX2, 0: portable C */
 int moe_simd_level(void) { return MC_SIMD; }
 
-/* ---- operands ---- */
-
-typedef struct { /* one layer's experts: [num_experts, rows, cols] */
-    const weight_fmt *f;
-    const uint8_t *data;
-    int64_t rows, cols, row_bytes;
-} expert_mat;
-
-typedef struct { /* quantized activation rows */
-    const act_fmt *f;
-    uint8_t *data;
-    int64_t row_bytes;
-} act_rows;
-
-typedef struct { /* pairs grouped by expert, ascending; stable within a group */
-    int64_t num_groups;
-    int64_t *expert, *start, *count; /* [num_groups] */
-    int64_t *chunks_left;            /* [num_groups] gate/up row chunks not yet done */
-    int64_t *groups_ready;           /* groups whose h rows are quantized */
-    int64_t *order;                  /* [num_pairs] pair ids, grouped */
-} routing;
-
 static int make_mat(expert_mat *m, int type, const uint8_t *data, int64_t rows, int64_t cols) {
     m->f = find_format(type);
     if (!m->f) return MOE_EBADTYPE;
@@ -138,16 +63,93 @@ static int make_mat(expert_mat *m, int type, const uint8_t *data, int64_t rows, 
     return MOE_OK;
 }
 
-MC_INLINE const uint8_t *mat_row(const expert_mat *m, int64_t expert, int64_t row) {
-    return m->data + (expert * m->rows + row) * m->row_bytes;
+static int make_mats(layer *L, const uint8_t *gate, const uint8_t *up, const uint8_t *down, int gate_type,
+                     int up_type, int down_type, int64_t hidden, int64_t ff) {
+    int err = make_mat(&L->gate, gate_type, gate, ff, hidden);
+    if (!err) err = make_mat(&L->up, up_type, up, ff, hidden);
+    if (!err) err = make_mat(&L->down, down_type, down, hidden, ff);
+    return err;
 }
 
-static int make_acts(act_rows *a, const act_fmt *f, int64_t num_rows, int64_t cols) {
-    a->f = f;
-    a->row_bytes = cols / f->block * f->bytes;
-    a->data = malloc((size_t)(num_rows > 0 ? num_rows : 1) * (size_t)a->row_bytes);
-    return a->data ? MOE_OK : MOE_ENOMEM;
+/* ---- the one pool and its scratch ---- */
+
+/* NOTE: g_lock is held for a whole layer call: it owns g_pool's submit side and the arenas. */
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static pool g_pool;
+static int g_pool_ready;
+static arena g_scratch, g_pairs;
+
+/* A forked child has none of the parent's workers: it starts a pool of its own at first use. */
+static void after_fork_child(void) {
+    pthread_mutex_init(&g_lock, NULL);
+    g_pool_ready = 0;
 }
+
+static pool *locked_pool(void) {
+    if (!g_pool_ready) {
+        static int registered;
+        if (!registered) registered = !pthread_atfork(NULL, NULL, after_fork_child);
+        pool_init(&g_pool);
+        g_pool_ready = 1;
+    }
+    return &g_pool;
+}
+
+static int threads_for(const pool *p, int num_threads) {
+    const int n = num_threads > 0 ? num_threads : p->default_threads;
+    return n < POOL_MAX_THREADS ? n : POOL_MAX_THREADS;
+}
+
+/* Start the pool with num_threads threads, the caller of a layer included (<= 0: one per core), and the
+ * time idle workers spin before they sleep (< 0: unchanged). Returns the pool's thread count. */
+int moe_pool_start(int num_threads, int spin_us) {
+    pthread_mutex_lock(&g_lock);
+    pool *p = locked_pool();
+    if (spin_us >= 0) atomic_store(&p->spin_ns, (int64_t)spin_us * 1000);
+    if (num_threads > 0) p->default_threads = threads_for(p, num_threads);
+    const int n = pool_grow(p, p->default_threads);
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
+/* Start threads until a layer can run on num_threads (<= 0: the default) without starting any; returns the
+ * pool's thread count. */
+int moe_pool_reserve(int num_threads) {
+    pthread_mutex_lock(&g_lock);
+    pool *p = locked_pool();
+    const int n = pool_grow(p, threads_for(p, num_threads));
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
+/* Threads started so far, the caller included. */
+int moe_pool_threads(void) {
+    pthread_mutex_lock(&g_lock);
+    const int n = locked_pool()->num_threads;
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
+static void zero_rows(float *out, int64_t num_rows, int64_t hidden) {
+    if (num_rows > 0 && hidden > 0) memset(out, 0, (size_t)(num_rows * hidden) * sizeof(float));
+}
+
+/* Compute the layer for pairs `pl` (ids already checked) under g_lock. */
+static int locked_layer(layer *L, pair_list pl, int64_t num_experts, int num_threads) {
+    if (!pl.num) {
+        zero_rows(L->out, L->num_tokens, L->down.rows);
+        L->num_groups = 0;
+        return MOE_OK;
+    }
+    pool *p = locked_pool();
+    const int threads = threads_for(p, num_threads);
+    if (layer_prepare(L, &g_scratch, pl, num_experts, threads)) return MOE_ENOMEM;
+    if (layer_items(L) > POOL_MAX_ITEMS) return MOE_EBADSHAPE;
+    layer_run(L, p, threads);
+    return MOE_OK;
+}
+
+/* ---- entry point: pairs as arrays ---- */
 
 static int check_ids(const int64_t *ids, int64_t n, int64_t limit) {
     for (int64_t i = 0; i < n; ++i)
@@ -155,213 +157,102 @@ static int check_ids(const int64_t *ids, int64_t n, int64_t limit) {
     return 1;
 }
 
-/* Counting sort of the pairs by expert; group_of is scratch [num_experts]. */
-static void group_pairs(routing *r, const int64_t *expert_ids, int64_t num_pairs, int64_t num_experts,
-                        int64_t *group_of) {
-    memset(group_of, 0, (size_t)num_experts * sizeof(int64_t));
-    for (int64_t p = 0; p < num_pairs; ++p) group_of[expert_ids[p]]++;
-    int64_t g = 0, pos = 0;
-    for (int64_t e = 0; e < num_experts; ++e) {
-        if (!group_of[e]) continue;
-        r->expert[g] = e, r->start[g] = pos, r->count[g] = 0;
-        pos += group_of[e];
-        group_of[e] = g++;
-    }
-    r->num_groups = g;
-    for (int64_t p = 0; p < num_pairs; ++p) {
-        const int64_t grp = group_of[expert_ids[p]];
-        r->order[r->start[grp] + r->count[grp]++] = p;
-    }
-}
-
-static int make_routing(routing *r, const int64_t *expert_ids, int64_t num_pairs, int64_t num_experts) {
-    /* expert, start, count, chunks_left: [num_experts] each (the upper bound on groups);
-     * order: [num_pairs]; groups_ready; then [num_experts] of scratch */
-    int64_t *buf = malloc((size_t)(5 * num_experts + num_pairs + 1) * sizeof(int64_t));
-    if (!buf) return MOE_ENOMEM;
-    r->expert = buf, r->start = buf + num_experts, r->count = buf + 2 * num_experts;
-    r->chunks_left = buf + 3 * num_experts, r->order = buf + 4 * num_experts;
-    r->groups_ready = r->order + num_pairs;
-    group_pairs(r, expert_ids, num_pairs, num_experts, r->groups_ready + 1);
-    return MOE_OK;
-}
-
-/* ---- the stages; gate_up and down are orphaned `omp for nowait` run by one team ---- */
-
-MC_INLINE float silu(float v) { return v / (1.0f + expf(-v)); }
-
-typedef struct {
-    const expert_mat *gate, *up, *down;
-    const act_rows *xg, *xu, *hq; /* x for gate, x for up, h for down */
-    const routing *r;
-    const int64_t *token_ids;
-    const float *weights;
-    float *h;   /* [num_pairs, ff] */
-    float *out; /* [num_tokens, hidden] */
-} ffn_job;
-
-/* Pointers to the activation rows of the group's pairs t0 .. t0+nt-1. */
-MC_INLINE void tile_acts(const ffn_job *j, const act_rows *a, int64_t grp, int64_t t0, int nt, int by_token,
-                         const uint8_t **ptrs) {
-    for (int i = 0; i < nt; ++i) {
-        const int64_t p = j->r->order[j->r->start[grp] + t0 + i];
-        ptrs[i] = a->data + (by_token ? j->token_ids[p] : p) * a->row_bytes;
-    }
-}
-
-static void gate_up_rows(const ffn_job *j, int64_t grp, int64_t r0, int64_t r1) {
-    const int64_t e = j->r->expert[grp], n = j->r->count[grp], ff = j->gate->rows;
-    const int64_t *pairs = j->r->order + j->r->start[grp];
-    for (int64_t row = r0; row < r1; ++row) {
-        const uint8_t *wg = mat_row(j->gate, e, row), *wu = mat_row(j->up, e, row);
-        for (int64_t t0 = 0; t0 < n; t0 += MAX_TILE) {
-            const int nt = (int)(n - t0 < MAX_TILE ? n - t0 : MAX_TILE);
-            const uint8_t *ag[MAX_TILE], *au[MAX_TILE];
-            float g[MAX_TILE], u[MAX_TILE];
-            tile_acts(j, j->xg, grp, t0, nt, 1, ag);
-            tile_acts(j, j->xu, grp, t0, nt, 1, au);
-            j->gate->f->dot(wg, ag, nt, j->gate->cols, g);
-            j->up->f->dot(wu, au, nt, j->up->cols, u);
-            for (int i = 0; i < nt; ++i) j->h[pairs[t0 + i] * ff + row] = silu(g[i]) * u[i];
-        }
-    }
-}
-
-static void quantize_x(const ffn_job *j, const float *x, int64_t num_tokens, int num_threads) {
-    const int64_t hidden = j->gate->cols;
-#pragma omp parallel for schedule(static) num_threads(num_threads) \
-    if (num_tokens * hidden > SERIAL_QUANT_MAX)
-    for (int64_t t = 0; t < num_tokens; ++t) {
-        j->xg->f->quant(x + t * hidden, j->xg->data + t * j->xg->row_bytes, hidden);
-        if (j->xu != j->xg) j->xu->f->quant(x + t * hidden, j->xu->data + t * j->xu->row_bytes, hidden);
-    }
-}
-
-/* The thread that completes a group's last row chunk quantizes the group's h rows for the down
- * projection, then counts the group ready. */
-static void finish_chunk(const ffn_job *j, int64_t grp) {
-    int64_t left;
-#pragma omp atomic capture seq_cst
-    left = --j->r->chunks_left[grp];
-    if (left) return;
-    const int64_t ff = j->gate->rows, *pairs = j->r->order + j->r->start[grp];
-    for (int64_t i = 0; i < j->r->count[grp]; ++i)
-        j->hq->f->quant(j->h + pairs[i] * ff, j->hq->data + pairs[i] * j->hq->row_bytes, ff);
-#pragma omp atomic update seq_cst
-    ++*j->r->groups_ready;
-}
-
-/* Yield while gate/up items other threads hold are still running (they may need this core). */
-static void wait_groups_ready(const ffn_job *j) {
-    for (;;) {
-        int64_t ready;
-#pragma omp atomic read seq_cst
-        ready = *j->r->groups_ready;
-        if (ready == j->r->num_groups) return;
-        sched_yield();
-    }
-}
-
-static void gate_up(const ffn_job *j) {
-    const int64_t ff = j->gate->rows, chunks = (ff + ROW_CHUNK - 1) / ROW_CHUNK;
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t item = 0; item < j->r->num_groups * chunks; ++item) {
-        const int64_t r0 = item % chunks * ROW_CHUNK;
-        gate_up_rows(j, item / chunks, r0, r0 + ROW_CHUNK < ff ? r0 + ROW_CHUNK : ff);
-        finish_chunk(j, item / chunks);
-    }
-}
-
-static void down_rows(const ffn_job *j, int64_t grp, int64_t r0, int64_t r1) {
-    const int64_t e = j->r->expert[grp], n = j->r->count[grp], hidden = j->down->rows;
-    const int64_t *pairs = j->r->order + j->r->start[grp];
-    for (int64_t row = r0; row < r1; ++row) {
-        const uint8_t *w = mat_row(j->down, e, row);
-        for (int64_t t0 = 0; t0 < n; t0 += MAX_TILE) {
-            const int nt = (int)(n - t0 < MAX_TILE ? n - t0 : MAX_TILE);
-            const uint8_t *a[MAX_TILE];
-            float y[MAX_TILE];
-            tile_acts(j, j->hq, grp, t0, nt, 0, a);
-            j->down->f->dot(w, a, nt, j->down->cols, y);
-            for (int i = 0; i < nt; ++i) {
-                const int64_t p = pairs[t0 + i];
-                j->out[j->token_ids[p] * hidden + row] += j->weights[p] * y[i];
-            }
-        }
-    }
-}
-
-/* Split by output rows: each thread owns its rows of out for every token. */
-static void down(const ffn_job *j) {
-    const int64_t hidden = j->down->rows, chunks = (hidden + ROW_CHUNK - 1) / ROW_CHUNK;
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < hidden ? r0 + ROW_CHUNK : hidden;
-        for (int64_t grp = 0; grp < j->r->num_groups; ++grp) down_rows(j, grp, r0, r1);
-    }
-}
-
-static void run_team(const ffn_job *j, const float *x, int64_t num_tokens, int num_threads) {
-    const int64_t chunks = (j->gate->rows + ROW_CHUNK - 1) / ROW_CHUNK;
-    for (int64_t g = 0; g < j->r->num_groups; ++g) j->r->chunks_left[g] = chunks;
-    *j->r->groups_ready = 0;
-    quantize_x(j, x, num_tokens, num_threads);
-#pragma omp parallel num_threads(num_threads)
-    {
-        gate_up(j);
-        wait_groups_ready(j);
-        down(j);
-    }
-}
-
-/* ---- entry point ---- */
-
-typedef struct {
-    act_rows xg, xu, hq;
-    float *h;
-    routing r;
-} scratch;
-
-static void free_scratch(scratch *s) {
-    free(s->xg.data);
-    free(s->xu.data);
-    free(s->hq.data);
-    free(s->h);
-    free(s->r.expert);
-}
-
-static int alloc_scratch(scratch *s, const expert_mat *gate, const expert_mat *up, const expert_mat *down,
-                         int64_t num_tokens, int64_t num_pairs) {
-    memset(s, 0, sizeof(*s));
-    int err = make_acts(&s->xg, gate->f->act, num_tokens, gate->cols);
-    if (!err && up->f->act != gate->f->act) err = make_acts(&s->xu, up->f->act, num_tokens, up->cols);
-    if (!err) err = make_acts(&s->hq, down->f->act, num_pairs, down->cols);
-    s->h = malloc((size_t)(num_pairs > 0 ? num_pairs : 1) * (size_t)gate->rows * sizeof(float));
-    return err ? err : s->h ? MOE_OK : MOE_ENOMEM;
-}
-
 /* x: float32 [num_tokens, hidden]; token_ids, expert_ids, weights: [num_pairs];
  * gate, up: [num_experts, ff, row bytes of hidden]; down: [num_experts, hidden, row bytes of ff];
- * out: float32 [num_tokens, hidden], zeroed by the caller; num_threads <= 0: OpenMP default. */
+ * out: float32 [num_tokens, hidden], every row written; num_threads <= 0: the pool's default. */
 int moe_expert_ffn(const float *x, int64_t num_tokens, const int64_t *token_ids, const int64_t *expert_ids,
                    const float *weights, int64_t num_pairs, const uint8_t *gate, const uint8_t *up,
                    const uint8_t *down, int gate_type, int up_type, int down_type, int64_t num_experts,
                    int64_t hidden, int64_t ff, float *out, int num_threads) {
-    expert_mat g, u, d;
-    int err = make_mat(&g, gate_type, gate, ff, hidden);
-    if (!err) err = make_mat(&u, up_type, up, ff, hidden);
-    if (!err) err = make_mat(&d, down_type, down, hidden, ff);
+    layer L = {.x = x, .out = out, .num_tokens = num_tokens};
+    int err = make_mats(&L, gate, up, down, gate_type, up_type, down_type, hidden, ff);
     if (err) return err;
+    if (num_tokens < 0 || num_pairs < 0) return MOE_EBADSHAPE;
     if (!check_ids(token_ids, num_pairs, num_tokens)) return MOE_EBADTOKEN;
     if (!check_ids(expert_ids, num_pairs, num_experts)) return MOE_EBADEXPERT;
-    scratch s;
-    err = alloc_scratch(&s, &g, &u, &d, num_tokens, num_pairs);
-    if (!err) err = make_routing(&s.r, expert_ids, num_pairs, num_experts);
-    if (!err) {
-        const ffn_job job = {&g, &u, &d, &s.xg, s.xu.data ? &s.xu : &s.xg, &s.hq, &s.r, token_ids, weights,
-                             s.h, out};
-        run_team(&job, x, num_tokens, num_threads > 0 ? num_threads : omp_get_max_threads());
-    }
-    free_scratch(&s);
+    const pair_list pl = {num_pairs, token_ids, expert_ids, weights};
+    pthread_mutex_lock(&g_lock);
+    err = locked_layer(&L, pl, num_experts, num_threads);
+    pthread_mutex_unlock(&g_lock);
     return err;
 }
+
+/* ---- entry point: a task, for a CUDA graph's host node ---- */
+
+typedef struct moe_task { /* mirrored by MoeTaskStruct in ops/cpu_experts.py */
+    /* inputs: pinned host memory that a GPU kernel writes before the host node runs */
+    const float *x;            /* [max_tokens, hidden] */
+    const int32_t *expert_ids; /* [max_tokens * top_k]: pair p belongs to token p / top_k; < 0: none */
+    const float *weights;      /* [max_tokens * top_k] */
+    const int32_t *on_cpu;     /* [max_tokens * top_k]: nonzero where the CPU computes the pair */
+    const int32_t *num_tokens; /* [1]: tokens of this step (<= max_tokens), read when the task runs */
+    float *out;                /* [max_tokens, hidden]: rows < *num_tokens written, 0 where no CPU pair */
+    int64_t max_tokens, top_k, hidden, ff, num_experts;
+    const uint8_t *gate, *up, *down; /* the layer's experts, raw GGUF bytes, as moe_expert_ffn takes them */
+    int32_t gate_type, up_type, down_type, num_threads;
+    /* written by the task: the last run's error (0 or a MOE_E* code), cumulative counters */
+    int32_t error, reserved;
+    int64_t calls, pairs, experts, bytes, busy_ns; /* bytes: the distinct experts' bytes read */
+} moe_task;
+
+/* The flagged pairs of this step into g_pairs; MOE_EBADEXPERT on an id past num_experts. */
+static int task_pairs(const moe_task *t, int64_t num_tokens, pair_list *pl) {
+    const int64_t n = num_tokens * t->top_k;
+    int64_t count = 0;
+    for (int64_t p = 0; p < n; ++p) {
+        if (!t->on_cpu[p] || t->expert_ids[p] < 0) continue;
+        if (t->expert_ids[p] >= t->num_experts) return MOE_EBADEXPERT;
+        ++count;
+    }
+    arena *a = &g_pairs;
+    a->used = 0, a->measuring = 1;
+    carve(a, count * 8), carve(a, count * 8), carve(a, count * 4);
+    if (arena_reserve(a)) return MOE_ENOMEM;
+    int64_t *token = (int64_t *)carve(a, count * 8), *expert = (int64_t *)carve(a, count * 8);
+    float *weight = (float *)carve(a, count * 4);
+    count = 0;
+    for (int64_t p = 0; p < n; ++p) {
+        if (!t->on_cpu[p] || t->expert_ids[p] < 0) continue;
+        token[count] = p / t->top_k, expert[count] = t->expert_ids[p], weight[count++] = t->weights[p];
+    }
+    *pl = (pair_list){count, token, expert, weight};
+    return MOE_OK;
+}
+
+static int task_layer(moe_task *t, layer *L, int64_t num_tokens) {
+    int err = make_mats(L, t->gate, t->up, t->down, t->gate_type, t->up_type, t->down_type, t->hidden, t->ff);
+    if (err) return err;
+    if (num_tokens < 0 || num_tokens > t->max_tokens || t->top_k <= 0 || t->num_experts <= 0) return MOE_EBADSHAPE;
+    pair_list pl;
+    err = task_pairs(t, num_tokens, &pl);
+    return err ? err : locked_layer(L, pl, t->num_experts, t->num_threads);
+}
+
+static void count_task(moe_task *t, const layer *L, int64_t start_ns) {
+    const int64_t expert_bytes = L->gate.row_bytes * L->gate.rows + L->up.row_bytes * L->up.rows +
+                                 L->down.row_bytes * L->down.rows;
+    t->calls += 1;
+    t->pairs += L->num_pairs;
+    t->experts += L->num_groups;
+    t->bytes += L->num_groups * expert_bytes;
+    t->busy_ns += now_ns() - start_ns;
+}
+
+/* Compute the step's flagged pairs into out; returns when done. `task` is a moe_task *. On bad input,
+ * error is set and rows < *num_tokens (at most max_tokens) are zero. */
+void moe_task_run(void *task) {
+    moe_task *t = task;
+    const int64_t start = now_ns(), num_tokens = *t->num_tokens;
+    layer L = {.x = t->x, .out = t->out, .num_tokens = num_tokens};
+    pthread_mutex_lock(&g_lock);
+    t->error = task_layer(t, &L, num_tokens);
+    if (t->error) {
+        zero_rows(t->out, num_tokens < t->max_tokens ? num_tokens : t->max_tokens, t->hidden);
+        L.num_pairs = L.num_groups = 0;
+    }
+    count_task(t, &L, start);
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* sizeof(moe_task), for the Python mirror's layout check */
+size_t moe_task_size(void) { return sizeof(moe_task); }

@@ -1,58 +1,149 @@
-/* Q8_0 rows times int8 activation rows (act_q8_0), and F32/F16/BF16 rows times float rows.
+/* Q8_0 rows times int8 activation rows (act_q8_0 of quant.h), and F32/F16/BF16 rows times float rows.
  *   Q8_0 34 B per 32 weights: fp16 d, int8 qs[32]; w = d * q.
  */
 #ifndef MOECACHE_SIMPLE_H
 #define MOECACHE_SIMPLE_H
 
-#include "common.h"
+#include "quant.h"
 
-#if MC_SIMD
+#if MC_SIMD == 2
+
+typedef __m512 q8_acc;
+
+/* Two blocks b, b+1 in one vector: |q| times a with q's sign, so dpbusd stays exact. */
+typedef struct {
+    __m512i uq;    /* |q| of both blocks */
+    __mmask64 neg; /* where q < 0 */
+    __m128 dw;     /* d of both blocks */
+} q8_pair;
+
+MC_INLINE void q8_decode_pair(const uint8_t *blk, q8_pair *p) {
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 2))),
+                                         _mm256_loadu_si256((const __m256i *)(blk + 36)), 1);
+    uint16_t h0, h1;
+    memcpy(&h0, blk, 2);
+    memcpy(&h1, blk + 34, 2);
+    p->uq = _mm512_abs_epi8(q);
+    p->neg = _mm512_movepi8_mask(q);
+    p->dw = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)h0 | (uint32_t)h1 << 16)));
+}
+
+/* the last block of an odd count, in the lower half */
+MC_INLINE void q8_decode_one(const uint8_t *blk, q8_pair *p) {
+    const __m512i q = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 2)));
+    p->uq = _mm512_maskz_abs_epi8(0xffffffffull, q);
+    p->neg = _mm512_movepi8_mask(q) & 0xffffffffull;
+    p->dw = _mm_set_ss(fp16_to_fp32(blk));
+}
+
+/* a: the activations of blocks b, b+1 (b + 1 past the row: 0 in uq); ad: their scales */
+MC_INLINE void q8_dot_pair(const q8_pair *p, const int8_t *a, const float *ad, int two, q8_acc *acc) {
+    const __m512i va = two ? _mm512_load_si512(a) : _mm512_maskz_loadu_epi8(0xffffffffull, a);
+    const __m512i sa = _mm512_mask_sub_epi8(va, p->neg, _mm512_setzero_si512(), va);
+    const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p->uq, sa);
+    const __m128 sd = two ? _mm_castpd_ps(_mm_load_sd((const double *)ad)) : _mm_load_ss(ad);
+    /* lanes 0..7 scale by block b, 8..15 by block b+1 */
+    const __m512 s16 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                             _mm512_castps128_ps512(_mm_mul_ps(p->dw, sd)));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s16, *acc);
+}
+
+/* blocks b and, where `two`, b+1 of row w for nt activation rows */
+MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *const *acts, int nt, int64_t n,
+                       q8_acc *acc) {
+    q8_pair p;
+    if (two)
+        q8_decode_pair(w + 34 * b, &p);
+    else
+        q8_decode_one(w + 34 * b, &p);
+    for (int i = 0; i < nt; ++i)
+        q8_dot_pair(&p, (const int8_t *)acts[i] + 32 * b, act_q8_0_d(acts[i], n) + b, two, &acc[i]);
+}
+
+MC_INLINE q8_acc q8_acc_zero(void) { return _mm512_setzero_ps(); }
+MC_INLINE float q8_acc_sum(q8_acc acc) { return _mm512_reduce_add_ps(acc); }
+
+#elif MC_SIMD == 1
+
+typedef __m256 q8_acc;
 
 /* sum of q . a over 32 int8 pairs, as 8 int32 lanes; |q| <= 128 and |a| <= 127 keep maddubs exact */
 MC_INLINE __m256i q8_dot32(__m256i q, __m256i a) {
     const __m256i uq = _mm256_abs_epi8(q), sa = _mm256_sign_epi8(a, q);
-#if MC_SIMD == 2
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), uq, sa);
-#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(uq, sa), _mm256_set1_epi16(1));
-#endif
 }
 
-static void dot_q8_0_tile(const uint8_t *w, const uint8_t *const *acts, int nt, int64_t n, float *out) {
-    __m256 acc[MAX_TILE];
-    for (int i = 0; i < nt; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / QK8_0; ++b) {
-        const uint8_t *blk = w + 34 * b;
+MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *const *acts, int nt, int64_t n,
+                       q8_acc *acc) {
+    for (int64_t k = b; k < b + 1 + two; ++k) {
+        const uint8_t *blk = w + 34 * k;
         const float d = fp16_to_fp32(blk);
         const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
         for (int i = 0; i < nt; ++i) {
-            const act_q8_0 *a = (const act_q8_0 *)acts[i] + b;
-            const __m256i isum = q8_dot32(q, _mm256_loadu_si256((const __m256i *)a->qs));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * a->d), acc[i]);
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(acts[i] + 32 * k));
+            const float ad = act_q8_0_d(acts[i], n)[k];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot32(q, a)), _mm256_set1_ps(d * ad), acc[i]);
         }
     }
-    for (int i = 0; i < nt; ++i) out[i] = hsum256_ps(acc[i]);
 }
+
+MC_INLINE q8_acc q8_acc_zero(void) { return _mm256_setzero_ps(); }
+MC_INLINE float q8_acc_sum(q8_acc acc) { return hsum256_ps(acc); }
 
 #else
 
-static void dot_q8_0_tile(const uint8_t *w, const uint8_t *const *acts, int nt, int64_t n, float *out) {
-    for (int i = 0; i < nt; ++i) out[i] = 0.0f;
-    for (int64_t b = 0; b < n / QK8_0; ++b) {
-        const uint8_t *blk = w + 34 * b;
+typedef float q8_acc;
+
+MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *const *acts, int nt, int64_t n,
+                       q8_acc *acc) {
+    for (int64_t k = b; k < b + 1 + two; ++k) {
+        const uint8_t *blk = w + 34 * k;
         const float d = fp16_to_fp32(blk);
         /* read through an int8_t pointer: GCC 12 -O3 vectorizes `(int8_t)u8 * s8` as unsigned */
         const int8_t *q = (const int8_t *)(blk + 2);
         for (int i = 0; i < nt; ++i) {
-            const act_q8_0 *a = (const act_q8_0 *)acts[i] + b;
+            const int8_t *a = (const int8_t *)acts[i] + 32 * k;
             int32_t isum = 0;
-            for (int l = 0; l < QK8_0; ++l) isum += q[l] * a->qs[l];
-            out[i] += d * a->d * (float)isum;
+            for (int l = 0; l < QK8_0; ++l) isum += q[l] * a[l];
+            acc[i] += d * act_q8_0_d(acts[i], n)[k] * (float)isum;
         }
     }
 }
 
+MC_INLINE q8_acc q8_acc_zero(void) { return 0.0f; }
+MC_INLINE float q8_acc_sum(q8_acc acc) { return acc; }
+
 #endif
+
+/* Each pair of blocks is decoded once and used for all nt activation rows; the matrices' blocks alternate. */
+MC_INLINE void q8_rows(const rows_job *j, int64_t n, const int nm, const int nt) {
+    const int64_t pf = prefetch_rows(j->w[0].row_bytes), nb = n / QK8_0;
+    for (int64_t r = 0; r < j->num_rows; ++r) {
+        for (int m = 0; m < nm; ++m) prefetch_row(j->w[m], j->next[m], r + pf);
+        q8_acc acc[MAX_MATS][MAX_TILE];
+        for (int m = 0; m < nm; ++m)
+            for (int i = 0; i < nt; ++i) acc[m][i] = q8_acc_zero();
+        for (int64_t b = 0; b < nb; b += 2)
+            for (int m = 0; m < nm; ++m)
+                q8_step(j->w[m].w + r * j->w[m].row_bytes, b, b + 1 < nb, j->acts[m], nt, n, acc[m]);
+        for (int m = 0; m < nm; ++m)
+            for (int i = 0; i < nt; ++i) j->out[m][i * j->out_stride + r] = q8_acc_sum(acc[m][i]);
+    }
+}
+
+/* one instance per common (nm, nt): batch 1 and 2 */
+static void dot_q8_0_rows(const rows_job *j, int64_t n) {
+    if (j->nm == 1 && j->nt == 1)
+        q8_rows(j, n, 1, 1);
+    else if (j->nm == 2 && j->nt == 1)
+        q8_rows(j, n, 2, 1);
+    else if (j->nm == 1 && j->nt == 2)
+        q8_rows(j, n, 1, 2);
+    else if (j->nm == 2 && j->nt == 2)
+        q8_rows(j, n, 2, 2);
+    else
+        q8_rows(j, n, j->nm, j->nt);
+}
 
 /* ---- float weights: activations stay float32 ---- */
 
@@ -104,24 +195,22 @@ MC_INLINE int64_t float_tile_simd(const uint8_t *w, const uint8_t *const *acts, 
 
 #endif
 
-MC_INLINE void float_tile(const uint8_t *w, const uint8_t *const *acts, int nt, int64_t n, float *out,
-                          int kind) {
-    for (int64_t j = float_tile_simd(w, acts, nt, n, out, kind); j < n; ++j) {
-        const float wj = float_at(w, j, kind);
-        for (int i = 0; i < nt; ++i) out[i] += wj * ((const float *)acts[i])[j];
-    }
+MC_INLINE void float_rows(const rows_job *j, int64_t n, int kind) {
+    for (int m = 0; m < j->nm; ++m)
+        for (int64_t r = 0; r < j->num_rows; ++r) {
+            const uint8_t *w = j->w[m].w + r * j->w[m].row_bytes;
+            const uint8_t *const *acts = j->acts[m];
+            float y[MAX_TILE];
+            for (int64_t c = float_tile_simd(w, acts, j->nt, n, y, kind); c < n; ++c) {
+                const float wc = float_at(w, c, kind);
+                for (int i = 0; i < j->nt; ++i) y[i] += wc * ((const float *)acts[i])[c];
+            }
+            for (int i = 0; i < j->nt; ++i) j->out[m][i * j->out_stride + r] = y[i];
+        }
 }
 
-static void dot_f32_tile(const uint8_t *w, const uint8_t *const *acts, int nt, int64_t n, float *out) {
-    float_tile(w, acts, nt, n, out, FLOAT_F32);
-}
-
-static void dot_f16_tile(const uint8_t *w, const uint8_t *const *acts, int nt, int64_t n, float *out) {
-    float_tile(w, acts, nt, n, out, FLOAT_F16);
-}
-
-static void dot_bf16_tile(const uint8_t *w, const uint8_t *const *acts, int nt, int64_t n, float *out) {
-    float_tile(w, acts, nt, n, out, FLOAT_BF16);
-}
+static void dot_f32_rows(const rows_job *j, int64_t n) { float_rows(j, n, FLOAT_F32); }
+static void dot_f16_rows(const rows_job *j, int64_t n) { float_rows(j, n, FLOAT_F16); }
+static void dot_bf16_rows(const rows_job *j, int64_t n) { float_rows(j, n, FLOAT_BF16); }
 
 #endif

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf.quants
@@ -56,15 +55,6 @@ ROUNDING_MARGIN = 2e-3  # in units of the int8 step
 FLOAT_RTOL = 1e-5
 
 HIDDEN, FF, NUM_EXPERTS = 512, 256, 6
-
-
-@pytest.fixture(scope="session", autouse=True)
-def native_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("moecache-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MOECACHE_CACHE_DIR", str(path))
-        mp.delenv("CC", raising=False)
-        yield path
 
 
 def kernel(flags: tuple[str, ...]) -> NativeExperts:
@@ -179,6 +169,21 @@ def test_thread_count_does_not_change_the_result() -> None:
     one = lib.ffn(x, token_ids, expert_ids, weights, w, num_threads=1)
     two = lib.ffn(x, token_ids, expert_ids, weights, w, num_threads=2)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize(("types", "hidden", "ff"), [
+    ((QType.Q8_0, QType.Q8_0, QType.Q8_0), 96, 160),  # odd block counts: the one-block tail of a pair
+    ((QType.Q4_K, QType.Q5_K, QType.Q6_K), 256, 256),  # one super-block a row
+])
+def test_short_rows_match_emulated_reference(types: tuple[QType, QType, QType], hidden: int, ff: int) -> None:
+    lib = kernel(())
+    w = random_expert_weights(NUM_EXPERTS, hidden, ff, *types, seed=14)
+    rng = np.random.default_rng(15)
+    x = torch.from_numpy(rng.standard_normal((4, hidden), dtype=np.float32))
+    token_ids, expert_ids = torch.from_numpy(rng.integers(0, 4, 11)), torch.from_numpy(rng.integers(0, NUM_EXPERTS, 11))
+    weights = torch.from_numpy(rng.uniform(0.05, 1.0, 11).astype(np.float32))
+    out = lib.ffn(x, token_ids, expert_ids, weights, w, num_threads=3)
+    assert_matches_emulation(out, emulated_reference(x, token_ids, expert_ids, weights, w))
 
 
 def test_batch_equals_token_by_token() -> None:

@@ -1,0 +1,185 @@
+"""The native task a CUDA graph's host node runs: bit-identical to the kernel on the flagged pairs, counters,
+bad input, and calls from threads no Python knows of."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ops import native
+from ops.cpu_experts import ExpertTask, ExpertWeights, NativeExperts, QType, load_native, random_expert_weights
+
+FORMATS = [
+    (QType.Q4_K, QType.Q4_K, QType.Q4_K),
+    (QType.Q5_K, QType.Q5_K, QType.Q5_K),
+    (QType.Q6_K, QType.Q6_K, QType.Q6_K),
+    (QType.Q8_0, QType.Q8_0, QType.Q8_0),
+    (QType.Q4_K, QType.Q4_K, QType.Q6_K),
+    (QType.Q8_0, QType.Q4_K, QType.Q5_K),
+    (QType.F16, QType.BF16, QType.F32),
+]
+HIDDEN, FF, NUM_EXPERTS, MAX_TOKENS, TOP_K = 512, 256, 6, 7, 4
+HOST_THREADS = Path(__file__).resolve().parent / "csrc" / "host_threads.c"
+
+
+@pytest.fixture(scope="module")
+def lib() -> NativeExperts:
+    lib = load_native()
+    if lib is None:
+        pytest.skip("no C compiler")
+    return lib
+
+
+class Step:
+    """A task's host buffers, as the captured step would hold them, and the task over them."""
+
+    def __init__(self, lib: NativeExperts, w: ExpertWeights, seed: int, num_tokens: int,
+                 num_threads: int | None = None) -> None:
+        rng = np.random.default_rng(seed)
+        self.w = w
+        self.x = torch.from_numpy(rng.standard_normal((MAX_TOKENS, HIDDEN), dtype=np.float32))
+        self.expert_ids = torch.from_numpy(rng.integers(-1, NUM_EXPERTS, (MAX_TOKENS, TOP_K)).astype(np.int32))
+        self.weights = torch.from_numpy(rng.uniform(0.05, 1.0, (MAX_TOKENS, TOP_K)).astype(np.float32))
+        self.on_cpu = torch.from_numpy((rng.uniform(size=(MAX_TOKENS, TOP_K)) < 0.6).astype(np.int32))
+        self.num_tokens = torch.tensor([num_tokens], dtype=torch.int32)
+        self.out = torch.full((MAX_TOKENS, HIDDEN), float("nan"))
+        self.task = ExpertTask(w, self.x, self.expert_ids, self.weights, self.on_cpu, self.num_tokens, self.out,
+                               num_threads=num_threads, lib=lib)
+
+    def flagged(self) -> torch.Tensor:
+        n = int(self.num_tokens)
+        ids, on = self.expert_ids[:n].reshape(-1), self.on_cpu[:n].reshape(-1)
+        return torch.nonzero((on != 0) & (ids >= 0)).reshape(-1)
+
+    def expected(self, lib: NativeExperts) -> torch.Tensor:
+        """moe_expert_ffn on the flagged pairs of rows < num_tokens."""
+        p, n = self.flagged(), int(self.num_tokens)
+        ids, weights = self.expert_ids.reshape(-1)[p].long(), self.weights.reshape(-1)[p]
+        return lib.ffn(self.x[:n], torch.div(p, TOP_K, rounding_mode="floor"), ids, weights, self.w)
+
+
+@pytest.mark.parametrize("types", FORMATS, ids=lambda t: "-".join(q.name for q in t))
+def test_task_equals_the_kernel_on_the_flagged_pairs(lib: NativeExperts, types: tuple[QType, ...]) -> None:
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=1)
+    for seed, num_tokens in ((2, 5), (3, MAX_TOKENS), (4, 1), (5, 0)):
+        step = Step(lib, w, seed, num_tokens)
+        step.task.run()
+        assert torch.equal(step.out[:num_tokens], step.expected(lib))
+        assert bool(step.out[num_tokens:].isnan().all())  # rows past num_tokens are not the task's
+
+
+def test_a_token_without_cpu_pairs_gets_a_zero_row(lib: NativeExperts) -> None:
+    step = Step(lib, random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, seed=6), seed=7, num_tokens=4)
+    step.on_cpu[2] = 0
+    step.task.run()
+    assert torch.count_nonzero(step.out[2]) == 0 and torch.equal(step.out[:4], step.expected(lib))
+
+
+def test_task_reads_its_inputs_when_it_runs(lib: NativeExperts) -> None:
+    """One task over fixed buffers, rewritten before each run the way a graph's copies rewrite them."""
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, QType.Q4_K, QType.Q6_K, seed=8)
+    step = Step(lib, w, seed=9, num_tokens=3)
+    for seed in range(10, 16):
+        fresh = Step(lib, w, seed, num_tokens=1 + seed % MAX_TOKENS)
+        for name in ("x", "expert_ids", "weights", "on_cpu", "num_tokens"):
+            getattr(step, name).copy_(getattr(fresh, name))
+        step.task.run()
+        n = int(step.num_tokens)
+        assert torch.equal(step.out[:n], fresh.expected(lib))
+
+
+def test_thread_count_does_not_change_the_task(lib: NativeExperts) -> None:
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q5_K, QType.Q5_K, QType.Q8_0, seed=17)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        step = Step(lib, w, seed=18, num_tokens=6, num_threads=threads)
+        step.task.run()
+        outs.append(step.out[:6])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+def test_counters_accumulate_over_runs(lib: NativeExperts) -> None:
+    step = Step(lib, random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q6_K, seed=19), seed=20, num_tokens=5)
+    for _ in range(3):
+        step.task.run()
+    pairs = step.flagged()
+    experts = len(set(step.expert_ids.reshape(-1)[pairs].tolist()))
+    c = step.task.counters
+    assert (c.calls, c.pairs, c.experts, c.error) == (3, 3 * len(pairs), 3 * experts, 0)
+    assert c.bytes == 3 * experts * step.w.expert_bytes
+    assert c.busy_ns > 0
+
+
+def test_a_bad_expert_id_sets_the_error_and_writes_zeros(lib: NativeExperts) -> None:
+    step = Step(lib, random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, seed=21), seed=22, num_tokens=5)
+    step.expert_ids[1, 2], step.on_cpu[1, 2] = NUM_EXPERTS, 1
+    with pytest.raises(ValueError, match="expert id"):
+        step.task.run()
+    assert step.task.counters.error == -4
+    assert torch.count_nonzero(step.out[:5]) == 0 and bool(step.out[5:].isnan().all())
+    step.on_cpu[1, 2] = 0  # an unflagged pair's id is never read
+    step.task.run()
+    assert step.task.counters.error == 0 and torch.equal(step.out[:5], step.expected(lib))
+
+
+def test_num_tokens_past_the_buffers_is_an_error(lib: NativeExperts) -> None:
+    step = Step(lib, random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q8_0, seed=23), seed=24, num_tokens=3)
+    step.num_tokens.fill_(MAX_TOKENS + 1)
+    with pytest.raises(ValueError, match="bad shape"):
+        step.task.run()
+    assert step.task.counters.error == -2 and torch.count_nonzero(step.out) == 0
+
+
+def test_task_checks_its_tensors(lib: NativeExperts) -> None:
+    step = Step(lib, random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, seed=25), seed=26, num_tokens=2)
+    with pytest.raises(ValueError, match="expert_ids"):
+        ExpertTask(step.w, step.x, step.expert_ids.long(), step.weights, step.on_cpu, step.num_tokens, step.out)
+    with pytest.raises(ValueError, match="out"):
+        ExpertTask(step.w, step.x, step.expert_ids, step.weights, step.on_cpu, step.num_tokens, step.out[:, :8])
+
+
+def host_threads() -> ctypes.CDLL:
+    helper = native.load_library(HOST_THREADS)
+    if helper is None:
+        pytest.skip("no C compiler")
+    helper.run_on_host_threads.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                                           ctypes.c_int]
+    return helper
+
+
+def run_on_host_threads(tasks: list[ExpertTask], times: int) -> None:
+    """Each task run `times` times on a native thread of its own, all at once, as host nodes would."""
+    args = (ctypes.c_void_p * len(tasks))(*(t.address for t in tasks))
+    assert host_threads().run_on_host_threads(tasks[0].function_address, args, len(tasks), times) == 0
+
+
+def test_task_runs_on_a_thread_python_does_not_know(lib: NativeExperts) -> None:
+    step = Step(lib, random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, seed=27), seed=28, num_tokens=6)
+    run_on_host_threads([step.task], times=3)
+    assert step.task.counters.calls == 3 and torch.equal(step.out[:6], step.expected(lib))
+
+
+def test_host_threads_and_python_callers_at_once(lib: NativeExperts) -> None:
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, QType.Q4_K, QType.Q6_K, seed=29)
+    steps = [Step(lib, w, seed=30 + k, num_tokens=2 + k, num_threads=1 + k) for k in range(3)]
+    x, tokens, experts, weights = steps[0].x[:4], torch.arange(4).repeat(2), torch.arange(8) % NUM_EXPERTS, \
+        torch.rand(8)
+    expected = lib.ffn(x, tokens, experts, weights, w)
+    wrong: list[bool] = []
+
+    def python_caller() -> None:
+        wrong.extend(not torch.equal(lib.ffn(x, tokens, experts, weights, w, num_threads=2), expected)
+                     for _ in range(30))
+
+    caller = threading.Thread(target=python_caller)
+    caller.start()
+    run_on_host_threads([s.task for s in steps], times=20)
+    caller.join()
+    assert not any(wrong)
+    for s in steps:
+        assert s.task.counters.calls == 20 and torch.equal(s.out[: int(s.num_tokens)], s.expected(lib))
