@@ -53,7 +53,7 @@ def start(engine: LLMEngine, batch: int, tokens: int) -> None:
     for i in range(batch):
         prompt = tuple(range(1 + i, 17 + i))
         engine.add_request(Request(f"p{time.monotonic_ns()}-{i}", prompt,
-                                   SamplingParams(max_tokens=tokens + 1, ignore_eos=True)))
+                                   SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)))
     while engine.scheduler.num_waiting or any(len(s.seq.output_ids) == 0 for s in engine.requests.values()):
         engine.step()
 
@@ -159,10 +159,28 @@ def profile_config(engine: LLMEngine, name: str, spec: str, args: argparse.Names
                 engine.step()
             sync(engine)
         kernels = kernels_of(prof)
+    launch = graph_launch_us(engine)
     hit = hits / (hits + misses) if hits + misses else float("nan")
     print(f"== {name} [{spec}]: {seconds * 1e3:.3f} ms a step ({args.batch / seconds:.1f} tok/s), hit {hit:.1%}; "
           f"under cProfile {host_seconds * 1e3:.3f} ms", flush=True)
-    print("\n".join(timeline_report(kernels, args.steps) + host_report(host, args.steps)), flush=True)
+    print("\n".join(timeline_report(kernels, args.steps) + [launch] + host_report(host, args.steps)), flush=True)
+
+
+def graph_launch_us(engine: LLMEngine) -> str:
+    """Host time of one replay call of the smallest captured graph, and the graph alone on the device."""
+    if not engine.runner.graphs:
+        return "   (no captured graph)"
+    graph = engine.runner.graphs[min(engine.runner.graphs)].graph
+    calls, totals = [], []
+    for _ in range(20):
+        began = time.perf_counter()
+        graph.replay()
+        called = time.perf_counter()
+        torch.cuda.synchronize()
+        calls.append(called - began)
+        totals.append(time.perf_counter() - began)
+    return (f"   graph replay: {sorted(calls)[10] * 1e6:.0f} us in the launch call, "
+            f"{sorted(totals)[10] * 1e3:.3f} ms to done (alone, synchronized)")
 
 
 def main() -> None:

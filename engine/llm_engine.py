@@ -153,8 +153,9 @@ class LLMEngine:
         sampled: tuple[list, list] = ([], [])
 
         def sample_rows(logits: torch.Tensor) -> None:
-            if rows:
-                sampled[0][:], sampled[1][:] = sample(logits[rows], states)
+            if rows:  # NOTE: all rows (a decode step) index nothing: no copy of the row list to the device
+                sampled[0][:], sampled[1][:] = sample(logits if len(rows) == len(sched.seqs) else logits[rows],
+                                                      states)
 
         record = self.forward(spans, [list(s.token_ids) for s in sched.seqs], keys, sample_rows)
         self._record_trace(sched, record.ids)

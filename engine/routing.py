@@ -440,30 +440,30 @@ class ReplayRouter:
     def __init__(self, source: RoutingSource, num_moe_layers: int, max_tokens: int, top_k: int, norm_topk: bool,
                  device: torch.device) -> None:
         self.source, self.norm_topk = source, norm_topk
-        self.ids = torch.zeros((num_moe_layers, max_tokens, top_k), dtype=torch.int64, device=device)
+        # [tokens, layers, top_k]: a step's tokens are its first rows, one contiguous copy
+        self.ids = torch.zeros((max_tokens, num_moe_layers, top_k), dtype=torch.int64, device=device)
         self.pinned = device.type == "cuda"
         self.staged = torch.zeros(self.ids.shape, dtype=torch.int64, pin_memory=True) if self.pinned else self.ids
+        self._staged = self.staged.numpy()
         self.copied = torch.cuda.Event() if self.pinned else None
         self._keys: list[Hashable] = []  # the streams of the last step
         self._ahead: dict[Hashable, np.ndarray] = {}  # a stream's next token `[layers, top_k]`, drawn ahead
 
     def begin_step(self, token_keys: Sequence[Hashable]) -> None:
         n = len(token_keys)
-        if n > self.ids.shape[1]:
-            raise ValueError(f"{n} tokens in a step; the router holds {self.ids.shape[1]}")
-        rows = np.empty((self.ids.shape[0], n, self.ids.shape[2]), dtype=np.int64)
+        if n > self.ids.shape[0]:
+            raise ValueError(f"{n} tokens in a step; the router holds {self.ids.shape[0]}")
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy out of `staged` is done
         firsts = {key: i for i, key in reversed(list(enumerate(token_keys)))}
         ahead = {i for key, i in firsts.items() if key in self._ahead}
         fresh = [i for i in range(n) if i not in ahead]
         if fresh:
-            rows[:, fresh] = self.source.route([token_keys[i] for i in fresh])
+            self._staged[fresh] = self.source.route([token_keys[i] for i in fresh]).transpose(1, 0, 2)
         for i in ahead:
-            rows[:, i] = self._ahead.pop(token_keys[i])
-        if self.copied is not None:
-            self.copied.synchronize()  # the last step's copy out of `staged` is done
-        self.staged[:, :n] = torch.from_numpy(rows)
+            self._staged[i] = self._ahead.pop(token_keys[i])
         if self.pinned:
-            self.ids[:, :n].copy_(self.staged[:, :n], non_blocking=True)
+            self.ids[:n].copy_(self.staged[:n], non_blocking=True)
             assert self.copied is not None
             self.copied.record()
         self._keys = list(firsts)
@@ -481,7 +481,7 @@ class ReplayRouter:
 
     def __call__(self, moe_index: int, logits: torch.Tensor,
                  token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return routed_weights(logits, self.ids[moe_index, :logits.shape[0]], self.norm_topk, token_mask)
+        return routed_weights(logits, self.ids[:logits.shape[0], moe_index], self.norm_topk, token_mask)
 
 
 def make_router(spec: str, weights: ModelWeights, max_tokens: int, device: torch.device, seed: int = 0) -> Router:

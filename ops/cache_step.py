@@ -99,7 +99,8 @@ def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x:
 def begin_step(tables: SlotTables, record: torch.Tensor, header: torch.Tensor, changes: torch.Tensor) -> None:
     """record: int32 `[max_pairs, 3, layers]` of the previous step; header: int64 `[>= 2]` (number of
     changes, pairs of the previous step); changes: int64 `[max_changes, 4]`. Both may be pinned host
-    memory (read in place by the device)."""
+    memory (read in place by the device). NOTE: no change names an expert that landed in the previous
+    step (the host decides from older records), so the two apply in any order."""
     if _use_triton(tables.state):
         from ops.triton.cache_step import begin_step as fused
         fused(tables, record, header, changes)

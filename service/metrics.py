@@ -78,6 +78,10 @@ class EngineCollector(Collector):
                        cache.streamed_bytes)
         yield _counter("moecache_expert_cpu_computed", "Routed-expert picks computed on the CPU.", s,
                        cache.cpu_experts)
+        yield _counter("moecache_expert_cpu_seconds", "Seconds the CPU spent computing missed experts.", s,
+                       cache.cpu_seconds)
+        yield _counter("moecache_expert_cpu_bytes", "Expert bytes the CPU read computing missed experts.", s,
+                       cache.cpu_bytes)
         yield _gauge("moecache_expert_cache_bytes", "Device memory of the expert cache.", s, cache.cache_bytes)
         yield _gauge("moecache_expert_cache_slots", "Expert slots in the expert cache.", s, cache.num_slots)
         yield _counter("moecache_expert_cache_promotions", "Experts copied into the cache.", s, cache.promotions)

@@ -26,7 +26,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--cache-policy", default="lru", choices=POLICIES)
     c.add_argument("--miss-mode", default="cpu", choices=MISS_MODES,
                    help="where cache misses are computed: cpu, stream (device reads host memory) or hybrid")
-    c.add_argument("--cache-promote-per-step", type=int, default=8, metavar="N")
+    c.add_argument("--cache-promote-per-step", type=int, default=8, metavar="N",
+                   help="uploads a step where misses do not land (cpu miss mode; decay and lfru)")
+    c.add_argument("--cache-free-slots", type=int, default=0, metavar="N",
+                   help="free slots each ring of the cache offers to landing misses (0: twice its recent misses)")
     c.add_argument("--cache-headroom-mib", type=int, default=1024, metavar="MIB")
     c.add_argument("--cache-profile", default=None, metavar="FILE", help="warm-start the cache from a profile")
     c.add_argument("--cache-profile-out", default=None, metavar="FILE", help="save a profile of expert use")
@@ -82,6 +85,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(policy=args.cache_policy, miss_mode=args.miss_mode, budget_mib=args.moe_cache_mib,
                           cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
                           promote_per_step=args.cache_promote_per_step, headroom_mib=args.cache_headroom_mib,
+                          free_slots=args.cache_free_slots,
                           cpu_threads=args.cpu_threads, profile_in=args.cache_profile,
                           profile_out=args.cache_profile_out, record_trace=args.record_trace),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,

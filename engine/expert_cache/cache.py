@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from engine.expert_cache.placement import Placement, choose_placement
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
 from engine.expert_cache.profile import Profile
 from engine.expert_cache.record import StepRecord
-from engine.expert_cache.split import stream_share
+from engine.expert_cache.split import Split
 from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot
 from engine.expert_cache.store import ExpertStore
 from ops.grouped_gemm import CHUNK_BYTES
@@ -36,15 +37,19 @@ log = logging.getLogger(__name__)
 
 class ExpertCache:
     def __init__(self, dispatcher: ExpertDispatcher, manager: CacheManager, observers: CacheObservers,
-                 placement: Placement, plan: CachePlan, cfg: CacheConfig, stats: CacheStats, top_k: int,
+                 placement: Placement, plan: CachePlan, cfg: CacheConfig, stats: CacheStats, split: Split,
                  cpu: CpuTasks | None) -> None:
         self.dispatcher, self.manager, self.observers = dispatcher, manager, observers
-        self.placement, self.plan, self.cfg, self.stats, self.top_k, self.cpu = \
-            placement, plan, cfg, stats, top_k, cpu
+        self.placement, self.plan, self.cfg, self.stats, self.split, self.cpu = \
+            placement, plan, cfg, stats, split, cpu
         self._pending: StepRecord | None = None
+        self._share: float | None = None  # a new hybrid split for the next step
 
     # -- around each step ---------------------------------------------------------------------------------
     def prepare_step(self) -> None:
+        if self._share is not None:  # between steps: the device reads the share in every layer
+            self.manager.tables.share.fill_(self._share)
+            self._share = None
         self.dispatcher.prepare(self.manager.changes())
 
     def launched(self) -> None:
@@ -58,6 +63,8 @@ class ExpertCache:
         self.observers.observe(record)
         if not record.is_prefill:  # NOTE: prefill never changes the cache
             self.manager.observe(record)
+            if self.cpu is not None:
+                self._share = self.split.update(self.cpu.work()) or self._share
 
     def step_done(self) -> StepRecord:
         """Take the finished step's record (to be processed while the next step runs)."""
@@ -89,7 +96,8 @@ class ExpertCache:
         return usage.copy(), where
 
     def snapshot(self) -> CacheStatsSnapshot:
-        return self.stats.snapshot()
+        work = self.cpu_work()
+        return replace(self.stats.snapshot(), cpu_seconds=work.busy_seconds, cpu_bytes=work.bytes)
 
     def cpu_work(self) -> CpuWork:
         return self.cpu.work() if self.cpu is not None else CpuWork()
@@ -154,14 +162,15 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, max_tokens: int, mo
     device_path = on_device(device)
     cpu = CpuTasks(host, max_tokens, hp.top_k, hp.hidden, device, cfg.cpu_threads or default_cpu_threads(device)) \
         if cfg.mode.uses_cpu and host else None
-    share = stream_share(cfg.mode, device, next(iter(host.values()), None), device_path)
-    manager = CacheManager(host, plan, cfg, device, rows, len(moe_layers), hp.num_experts, stats, profile, share)
+    split = Split(cfg.mode, device, next(iter(host.values()), None), device_path)
+    manager = CacheManager(host, plan, cfg, device, rows, len(moe_layers), hp.num_experts, stats, profile,
+                           split.share)
     dispatcher = ExpertDispatcher(host, resident, manager, cfg, device, moe_layers, hp.top_k, max_tokens, cpu,
                                   device_path)
     observers = CacheObservers(stats, plan, moe_layers, list(placement.host_layers),
                                {i: store.expert_bytes(i) for i in placement.host_layers}, num_layers,
                                hp.num_experts, profile=cfg.profile_out is not None)
-    return ExpertCache(dispatcher, manager, observers, placement, plan, cfg, stats, hp.top_k, cpu)
+    return ExpertCache(dispatcher, manager, observers, placement, plan, cfg, stats, split, cpu)
 
 
 def staging_bytes(store: ExpertStore) -> int:

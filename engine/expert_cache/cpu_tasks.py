@@ -10,15 +10,67 @@ stays one CUDA graph. On a CPU device the same task runs in place.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ops.cache_step import CpuJob
-from ops.cpu_experts import ExpertWeights
-from ops.cpu_task import CpuTask, cpu_task
+from ops.cpu_experts import ExpertTask, ExpertWeights, TaskCounters, expert_ffn_cpu, load_native
 from ops.cuda_host import launch_host_func
+
+
+class Task(Protocol):
+    @property
+    def function_address(self) -> int: ...  # a native `void fn(void *)`, or 0
+
+    @property
+    def address(self) -> int: ...  # its argument
+
+    def run(self) -> None: ...
+
+    @property
+    def counters(self) -> TaskCounters: ...
+
+
+class PythonTask:
+    """A layer's CPU pairs through `expert_ffn_cpu` (expert types the native task lacks): the same job and
+    result, run from Python only (not a host node: such steps are not captured)."""
+
+    function_address = 0
+    address = 0
+
+    def __init__(self, bank: ExpertWeights, job: CpuJob, num_threads: int) -> None:
+        self.bank, self.job, self.num_threads = bank, job, num_threads
+        self._counts = [0, 0, 0, 0, 0]  # calls, pairs, experts, bytes, busy ns
+
+    def run(self) -> None:
+        start = time.perf_counter_ns()
+        job, top_k = self.job, self.job.expert_ids.shape[0] // self.job.x.shape[0]
+        num_tokens = int(job.num_tokens[0])
+        pairs = ((job.on_cpu[:num_tokens * top_k] != 0) & (job.expert_ids[:num_tokens * top_k] >= 0)).nonzero()[:, 0]
+        experts = job.expert_ids[pairs].long()
+        job.out[:num_tokens] = expert_ffn_cpu(job.x[:num_tokens], pairs // top_k, experts, job.weights[pairs],
+                                              self.bank, num_threads=self.num_threads)
+        distinct = int(experts.unique().numel())
+        for i, n in enumerate((1, len(pairs), distinct, distinct * self.bank.expert_bytes,
+                               time.perf_counter_ns() - start)):
+            self._counts[i] += n
+
+    @property
+    def counters(self) -> TaskCounters:
+        return TaskCounters(*self._counts, 0)
+
+
+def make_task(bank: ExpertWeights, job: CpuJob, num_threads: int) -> Task:
+    """The native task where the kernel supports the layer's types, else `PythonTask`."""
+    native = load_native()
+    if native is not None and native.supports(bank):
+        return ExpertTask(bank, job.x, job.expert_ids, job.weights, job.on_cpu, job.num_tokens, job.out,
+                          num_threads=num_threads)
+    return PythonTask(bank, job, num_threads)
 
 
 @dataclass(frozen=True)
@@ -42,8 +94,7 @@ class CpuTasks:
                  device: torch.device, num_threads: int) -> None:
         self.device = device
         self.job = CpuJob.allocate(max_tokens, top_k, hidden, pin=device.type == "cuda")
-        self.tasks: dict[int, CpuTask] = {layer: cpu_task(bank, self.job, num_threads)
-                                             for layer, bank in host.items()}
+        self.tasks: dict[int, Task] = {layer: make_task(bank, self.job, num_threads) for layer, bank in host.items()}
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def run(self, layer: int) -> None:
@@ -53,7 +104,7 @@ class CpuTasks:
     @property
     def is_native(self) -> bool:
         """Every task is native code a CUDA graph can call as a host node."""
-        return all(task.function for task in self.tasks.values())
+        return all(task.function_address for task in self.tasks.values())
 
     def launch(self, layer: int) -> Callable[[], None]:
         """Start the layer's task beside the device's work queued so far; returns the join that makes the
@@ -66,10 +117,11 @@ class CpuTasks:
         main = torch.cuda.current_stream(self.device)
         self.side.wait_stream(main)
         task = self.tasks[layer]
-        launch_host_func(self.side, task.function, task.argument)
+        launch_host_func(self.side, task.function_address, task.address)
         side = self.side
         return lambda: main.wait_stream(side)
 
     def work(self) -> CpuWork:
-        totals = [t.counters() for t in self.tasks.values()]
-        return CpuWork(*(sum(c[i] for c in totals) for i in range(4)), sum(c[4] for c in totals) / 1e9)
+        totals = [t.counters for t in self.tasks.values()]
+        return CpuWork(sum(c.calls for c in totals), sum(c.pairs for c in totals), sum(c.experts for c in totals),
+                       sum(c.bytes for c in totals), sum(c.busy_ns for c in totals) / 1e9)

@@ -154,7 +154,8 @@ class ExpertDispatcher:
         outcome, slot = (self.record.layer(row)[:n, i].long() for i in (1, 2))
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
         host, pool = self.host[layer], self.manager.pools.get(self.manager.group_of[layer])
-        for e, s in {(int(e), int(s)) for e, s in zip(experts[outcome == LANDED], slot[outcome == LANDED])}:
+        landed = outcome == LANDED
+        for e, s in set(zip(experts[landed].tolist(), slot[landed].tolist())):
             for dst, src in zip((pool.gate, pool.up, pool.down), (host.gate, host.up, host.down)):  # type: ignore
                 dst[s] = src[e]
         out = torch.zeros(x.shape, dtype=torch.float32)

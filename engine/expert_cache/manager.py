@@ -53,6 +53,7 @@ class CacheManager:
                         {bank_shape(b): b for b in host.values()}.items()} if device.type == "cuda" and \
             cfg.mode.streams else {}
         self.tables = self._tables(num_rows, num_experts, share)
+        self._group_rows = {gid: np.array([rows[x] for x in self.groups[gid].layers]) for gid in self.policies}
         self.published = np.full((num_rows, num_experts), -1, dtype=np.int32)  # what the device has or will have
         self.tail = np.zeros(self.no_ring + 1, dtype=np.int64)
         self.max_changes = 2 * plan.num_slots + 2 * len(self.ring_index) + 64
@@ -100,17 +101,16 @@ class CacheManager:
     def observe(self, record: StepRecord) -> None:
         """A decode step's uses and landings -> the policies -> changes for the next step (off the critical path)."""
         for gid, policy in self.policies.items():
-            used, landed = {}, {}
-            for layer in self.groups[gid].layers:
-                row = self.rows[layer]
-                ids, outcome, slot = record.ids[row], record.outcome[row], record.slot[row]
-                used[layer] = ids[ids >= 0]
-                for e, s in zip(ids[outcome == LANDED].tolist(), slot[outcome == LANDED].tolist()):
-                    landed[(layer, e)] = s
-                    self.published[row, e] = s
-            if landed:
+            rows = self._group_rows[gid]
+            ids = record.ids[rows]  # [group layers, pairs], -1 for none
+            at, pair = np.nonzero(record.outcome[rows] == LANDED)
+            experts, slots = ids[at, pair], record.slot[rows][at, pair]
+            _, first = np.unique(at * self.tables.num_experts + experts, return_index=True)  # an expert once
+            landed = np.stack([at[first], experts[first], slots[first]], axis=1).astype(np.int64)
+            self.published[rows[landed[:, 0]], landed[:, 1]] = landed[:, 2]
+            if len(landed):
                 self.stats.record_copies(len(landed), 0, 0)
-            self._apply(gid, policy.observe(used, landed))
+            self._apply(gid, policy.observe(ids, landed))
 
     def changes(self) -> list[Change]:
         """The table changes for the next step (publishing finished uploads too); clears them."""

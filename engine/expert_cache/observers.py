@@ -46,24 +46,13 @@ class CacheObservers:
     def _count_cache(self, record: StepRecord) -> None:
         hits, misses = {}, {}
         for gid, rows in self.group_rows.items():
-            outcome = record.outcome[rows]
-            hits[gid] = int((outcome == HIT).sum())
-            misses[gid] = int(((outcome == STAGED) | (outcome == LANDED) | (outcome == ON_CPU)).sum())
-        streamed = self._unique_bytes(record, (STAGED, LANDED))
-        on_cpu = self._unique_count(record, (ON_CPU,))
-        self.stats.record_step(record.num_tokens, hits, misses, streamed, on_cpu)
-
-    def _unique_mask(self, record: StepRecord, outcomes: tuple[int, ...]) -> np.ndarray:
-        """`[moe_layers, experts]` bool: the experts of each layer with a pair of these outcomes."""
-        rows = self.host_rows
-        mask = np.isin(record.outcome[rows], outcomes)
-        seen = np.zeros((len(self.moe_layers), self.usage.shape[1]), dtype=bool)
-        r = np.broadcast_to(rows[:, None], mask.shape)[mask]
-        seen[r, record.ids[rows][mask]] = True
-        return seen
-
-    def _unique_bytes(self, record: StepRecord, outcomes: tuple[int, ...]) -> int:
-        return int((self._unique_mask(record, outcomes).sum(axis=1) * self.row_bytes).sum())
-
-    def _unique_count(self, record: StepRecord, outcomes: tuple[int, ...]) -> int:
-        return int(self._unique_mask(record, outcomes).sum())
+            counts = np.bincount(record.outcome[rows].ravel() + 1, minlength=ON_CPU + 2)  # PAD .. ON_CPU
+            hits[gid] = int(counts[HIT + 1])
+            misses[gid] = int(counts[STAGED + 1] + counts[LANDED + 1] + counts[ON_CPU + 1])
+        # each distinct (layer, expert) once: its bytes crossed once (streamed) or were read by the CPU once
+        outcome, ids = record.outcome[self.host_rows], record.ids[self.host_rows]
+        keys = self.host_rows[:, None] * self.usage.shape[1] + ids
+        streamed = np.unique(keys[(outcome == STAGED) | (outcome == LANDED)])
+        on_cpu = np.unique(keys[outcome == ON_CPU])
+        streamed_bytes = int(self.row_bytes[streamed // self.usage.shape[1]].sum())
+        self.stats.record_step(record.num_tokens, hits, misses, streamed_bytes, len(on_cpu))

@@ -164,7 +164,7 @@ class CachePolicy(ABC):
         what to apply before the next step."""
         step = self._step_use(used)
         decision = Decision()
-        landed_keys = self._take_landings(landed or {}, decision)
+        landed_keys = self._take_landings({} if landed is None else landed, decision)
         self._count_misses(step, landed_keys)
         self._update(step, landed_keys)
         if self.landing:

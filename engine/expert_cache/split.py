@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from engine.config import MissMode
+from engine.expert_cache.cpu_tasks import CpuWork
 from engine.expert_cache.device import empty_bank
 from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
 
@@ -69,13 +70,44 @@ def measure_stream_gbps(bank: ExpertWeights, device: torch.device, num_experts: 
     return n * first.expert_bytes / _seconds(run) / 1e9
 
 
-def stream_share(mode: MissMode, device: torch.device, bank: ExpertWeights | None, on_device: bool) -> float:
+class Split:
     """The share of a layer's missed experts the device streams: 1 (stream), 0 (cpu), or for hybrid
-    link / (link + CPU) from a measurement of each on the model's expert shape."""
-    if not mode.uses_cpu:
-        return 1.0
-    if not mode.streams or bank is None:
-        return 0.0
-    link = measure_stream_gbps(bank, device) if on_device else measure_link_gbps(device)
-    cpu = measure_cpu_gbps(bank)
-    return link / (link + cpu)
+    link / (link + CPU), from a measurement of each on the model's expert shape at start, the CPU's rate
+    then re-measured from the CPU tasks' own counters every `every` decode steps."""
+
+    def __init__(self, mode: MissMode, device: torch.device, bank: ExpertWeights | None, on_device: bool,
+                 every: int = 64) -> None:
+        self.every, self.link_gbps, self.cpu_gbps = every, 0.0, 0.0
+        self._steps = 0
+        self._last: CpuWork | None = None
+        if not mode.uses_cpu:
+            self.share = 1.0
+        elif not mode.streams or bank is None:
+            self.share = 0.0
+        else:
+            self.link_gbps = measure_stream_gbps(bank, device) if on_device else measure_link_gbps(device)
+            self.cpu_gbps = measure_cpu_gbps(bank)
+            self.share = self.link_gbps / (self.link_gbps + self.cpu_gbps)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return 0.0 < self.share < 1.0
+
+    def update(self, work: CpuWork) -> float | None:
+        """After a decode step: the new share when the CPU's measured rate moved it by more than 2 points."""
+        if not self.is_hybrid:
+            return None
+        self._steps += 1
+        if self._last is None or self._steps % self.every:
+            self._last = self._last or work
+            return None
+        busy, moved = work.busy_seconds - self._last.busy_seconds, work.bytes - self._last.bytes
+        self._last = work
+        if busy <= 0 or moved <= 0:
+            return None
+        self.cpu_gbps = moved / busy / 1e9
+        share = self.link_gbps / (self.link_gbps + self.cpu_gbps)
+        if abs(share - self.share) <= 0.02:
+            return None
+        self.share = share
+        return share

@@ -50,6 +50,8 @@ class CacheStatsSnapshot:
     cache_bytes: int
     num_slots: int
     recent_hit_ratio: float  # over the last decode steps (see CacheStats.recent_steps)
+    cpu_seconds: float = 0.0  # time the CPU spent computing misses (its tasks, cumulative)
+    cpu_bytes: int = 0  # expert bytes the CPU read computing misses
 
     def _select(self, batch: str | None) -> list[GroupStats]:
         if batch is not None and batch not in BATCH_CLASSES:

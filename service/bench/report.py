@@ -55,7 +55,8 @@ def _phase_json(p: Phase) -> dict[str, Any]:
     return {**asdict(p), "tokens_per_second": p.tokens_per_second, "hit_ratio": c.hit_ratio,
             "uploaded_bytes_per_token": p.per_token(c.uploaded_bytes),
             "streamed_bytes_per_token": p.per_token(c.streamed_bytes),
-            "cpu_experts_per_token": p.per_token(c.cpu_experts)}
+            "cpu_experts_per_token": p.per_token(c.cpu_experts),
+            "cpu_seconds_per_token": p.per_token(c.cpu_seconds)}
 
 
 def _result_json(r: ConfigResult | Skipped) -> dict[str, Any]:
@@ -85,7 +86,7 @@ def write_json(report: BenchReport, path: str | Path) -> None:
 # ---- the table ----
 
 COLUMNS = (("budget", 8), ("cache MiB", 9), ("cached", 7), ("policy", 6), ("miss", 6), ("batch", 5),
-           ("tok/s", 8), ("hit", 6), ("up KB/tok", 9), ("stream KB/tok", 13), ("cpu exp/tok", 11),
+           ("tok/s", 8), ("hit", 6), ("up KB/tok", 9), ("stream KB/tok", 13), ("cpu exp/tok", 11), ("cpu ms/tok", 10),
            ("prefill tok/s", 13), ("TTFT ms", 8), ("bound ms/tok", 12), ("of bound", 8))
 
 
@@ -104,7 +105,7 @@ def _rows(r: ConfigResult) -> list[str]:
             bound = [f"{r.bound.seconds * 1e3:.3f}", f"{r.bound.share_of(d.tokens_per_second):.1%}"]
         decode = [str(d.batch), f"{d.tokens_per_second:.1f}", f"{d.hit_ratio:.1%}",
                   f"{d.uploaded_bytes_per_token / KB:.0f}", f"{d.streamed_bytes_per_token / KB:.0f}",
-                  f"{d.cpu_experts_per_token:.1f}"]
+                  f"{d.cpu_experts_per_token:.1f}", f"{d.cpu_seconds_per_token * 1e3:.2f}"]
         lines.append(_row(head + decode + (prefill if n == 0 else ["", ""]) + bound))
     return lines
 

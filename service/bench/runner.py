@@ -63,10 +63,12 @@ class CacheDelta:
     streamed_bytes: int
     cpu_experts: int
     promotions: int = 0  # experts taken into the cache: landed misses and uploads
+    cpu_seconds: float = 0.0  # the CPU's time on missed experts
 
     @classmethod
     def of(cls, s: CacheStatsSnapshot) -> CacheDelta:
-        return cls(s.hits(), s.misses(), s.uploaded_bytes, s.streamed_bytes, s.cpu_experts, s.promotions)
+        return cls(s.hits(), s.misses(), s.uploaded_bytes, s.streamed_bytes, s.cpu_experts, s.promotions,
+                   s.cpu_seconds)
 
     def minus(self, earlier: CacheDelta) -> CacheDelta:
         return CacheDelta(*(a - b for a, b in zip(_values(self), _values(earlier))))
@@ -76,8 +78,8 @@ class CacheDelta:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
 
-def _values(d: CacheDelta) -> tuple[int, ...]:
-    return d.hits, d.misses, d.uploaded_bytes, d.streamed_bytes, d.cpu_experts, d.promotions
+def _values(d: CacheDelta) -> tuple[float, ...]:
+    return d.hits, d.misses, d.uploaded_bytes, d.streamed_bytes, d.cpu_experts, d.promotions, d.cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class DecodeFigures:
     uploaded_bytes_per_token: float
     streamed_bytes_per_token: float
     cpu_experts_per_token: float
+    cpu_seconds_per_token: float = 0.0  # the CPU's time on missed experts (its tasks)
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,8 @@ def decode_figures(phases: Sequence[Phase], batch: int) -> DecodeFigures:
                          _median(m, lambda p: p.cache.hit_ratio),
                          _median(m, lambda p: p.per_token(p.cache.uploaded_bytes)),
                          _median(m, lambda p: p.per_token(p.cache.streamed_bytes)),
-                         _median(m, lambda p: p.per_token(p.cache.cpu_experts)))
+                         _median(m, lambda p: p.per_token(p.cache.cpu_experts)),
+                         _median(m, lambda p: p.per_token(p.cache.cpu_seconds)))
 
 
 def host_layers(engine: LLMEngine, cfg: CacheConfig) -> tuple[int, ...]:

@@ -151,6 +151,11 @@ def random_step(seed: int, device: torch.device) -> None:
     record = torch.randint(-1, 4, (32, 3, 4), generator=g, dtype=torch.int32)
     record[:, 0] = torch.stack([torch.randperm(E, generator=g).repeat(2) for _ in range(4)]).T
     changes = torch.tensor([[0, 1, 3, 40], [1, 2, 5, 0], [2, 1, 13, 77], [3, 1, 14, 0], [0, 3, 9, 11], [9] * 4])
+    # NOTE: the host never changes an expert that landed in the previous step (it has not seen that step):
+    # the kernel applies both at once, in no order
+    for kind, row, expert, _ in changes[:5].tolist():
+        if kind in (cs.PUBLISH, cs.UNPUBLISH):
+            record[:, 1, row][record[:, 0, row] == expert] = cs.STAGED
     header = torch.tensor([5, int(torch.randint(0, 33, (1,), generator=g))])
     ref, fused = clone(base), cs.SlotTables(*(on(getattr(base, f).clone()) for f in cs.SlotTables.__dataclass_fields__))
     cs.begin_step_torch(ref, record, header, changes)
