@@ -117,7 +117,7 @@ class LLMEngine:
             stop_ids |= self.tokenizer.stop_token_ids
         seq = self.scheduler.add(request)
         state = SamplingState(params, request.prompt_ids, seq.output_ids, make_generator(params.seed, self.device))
-        text = TextOutput(self.tokenizer, params.stop)
+        text = TextOutput(self.tokenizer, params.stop, request.prompt_ids)
         self.requests[request.request_id] = RequestState(seq, state, text, frozenset(stop_ids))
 
     def abort(self, request_id: str) -> RequestOutput | None:
