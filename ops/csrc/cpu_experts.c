@@ -3,9 +3,14 @@
  *   out[t] = sum over pairs p with token[p] == t of weight[p] * down_e(silu(gate_e(x_t)) * up_e(x_t))
  *
  * One call per layer. Pairs are grouped by expert; every weight row is read once per call and used
- * for all pairs of its expert (MAX_TILE at a time). Weight blocks are decoded in registers inside
+ * for all pairs of its expert (TILE_TOKENS at a time). Weight blocks are decoded in registers inside
  * the dot products, never into a dequantized matrix. Activations are quantized once per call to the
- * int8 form the weight format multiplies with. OpenMP threads split the output rows; every output
+ * int8 form the weight format multiplies with, in two planes: the second quantizes what rounding the
+ * first lost, so x = d1*q1 + d2*q2 to 1/(4*127^2) of each block's largest |x| and the integer dot
+ * products give float32-level results. (One int8 plane is 1/254 of the block maximum: 0.5-2% error per
+ * layer, enough to flip a later router's top-k and move a token's log-probability by tenths of a nat
+ * against a float reference, or against the same model with its experts computed elsewhere.) OpenMP
+ * threads split the output rows; every output
  * element is summed by one thread in a fixed order, so results do not depend on the thread count.
  * Threads wait for work to be done, not for each other: on a busy host a thread that starts late
  * finds its share taken instead of holding up a barrier.
@@ -21,6 +26,8 @@
 
 /* Rows of one expert matrix per work item. */
 #define ROW_CHUNK 32
+/* Tokens that share a pass over a weight row: each brings up to two activation planes to the dot. */
+#define TILE_TOKENS (MAX_TILE / 2)
 /* Below this many activations, x is quantized by the calling thread alone. */
 #define SERIAL_QUANT_MAX 65536
 
@@ -35,47 +42,61 @@ enum {
 
 /* ---- activation formats ---- */
 
+/* Quantizes a row of n activations into `planes` consecutive planes of blocks. */
 typedef void (*quant_fn)(const float *x, uint8_t *y, int64_t n);
 
 typedef struct {
     int block;
     int bytes;
+    int planes;
     quant_fn quant;
 } act_fmt;
 
-/* q = round(x * 127 / max|x|), half to even; returns the scale d with x ~= d * q. */
-static float quant_int8(const float *x, int8_t *q, int n) {
+/* q = round(x * 127 / max|x|), half to even; returns the scale d with x ~= d * q and, when residual
+ * is not NULL, writes what the rounding lost: residual = x - d * q. */
+static float quant_int8(const float *x, int8_t *q, int n, float *residual) {
     float amax = 0.0f;
     for (int i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
     for (int i = 0; i < n; ++i) q[i] = (int8_t)fmaxf(-127.0f, fminf(127.0f, nearbyintf(x[i] * id)));
-    return amax / 127.0f;
+    if (residual)
+        for (int i = 0; i < n; ++i) residual[i] = x[i] - d * (float)q[i];
+    return d;
 }
 
+static void quant_q8k_block(const float *x, act_q8k *y, float *residual) {
+    y->d = quant_int8(x, y->qs, QK_K, residual);
+    for (int j = 0; j < QK_K / 16; ++j) {
+        int s = 0;
+        for (int l = 0; l < 16; ++l) s += y->qs[16 * j + l];
+        y->bsums[j] = (int16_t)s;
+    }
+}
+
+/* Plane 0 (blocks 0 .. nb-1) rounds x, plane 1 (blocks nb .. 2nb-1) rounds what plane 0 lost. */
 static void quant_q8k(const float *x, uint8_t *y, int64_t n) {
+    act_q8k *hi = (act_q8k *)y, *lo = hi + n / QK_K;
+    float residual[QK_K];
     for (int64_t b = 0; b < n / QK_K; ++b) {
-        act_q8k *yb = (act_q8k *)y + b;
-        yb->d = quant_int8(x + b * QK_K, yb->qs, QK_K);
-        for (int j = 0; j < QK_K / 16; ++j) {
-            int s = 0;
-            for (int l = 0; l < 16; ++l) s += yb->qs[16 * j + l];
-            yb->bsums[j] = (int16_t)s;
-        }
+        quant_q8k_block(x + b * QK_K, hi + b, residual);
+        quant_q8k_block(residual, lo + b, NULL);
     }
 }
 
 static void quant_q8_0(const float *x, uint8_t *y, int64_t n) {
+    act_q8_0 *hi = (act_q8_0 *)y, *lo = hi + n / QK8_0;
+    float residual[QK8_0];
     for (int64_t b = 0; b < n / QK8_0; ++b) {
-        act_q8_0 *yb = (act_q8_0 *)y + b;
-        yb->d = quant_int8(x + b * QK8_0, yb->qs, QK8_0);
+        hi[b].d = quant_int8(x + b * QK8_0, hi[b].qs, QK8_0, residual);
+        lo[b].d = quant_int8(residual, lo[b].qs, QK8_0, NULL);
     }
 }
 
 static void quant_f32(const float *x, uint8_t *y, int64_t n) { memcpy(y, x, (size_t)n * sizeof(float)); }
 
-static const act_fmt ACT_Q8K = {QK_K, (int)sizeof(act_q8k), quant_q8k};
-static const act_fmt ACT_Q8_0 = {QK8_0, (int)sizeof(act_q8_0), quant_q8_0};
-static const act_fmt ACT_F32 = {1, (int)sizeof(float), quant_f32};
+static const act_fmt ACT_Q8K = {QK_K, (int)sizeof(act_q8k), 2, quant_q8k};
+static const act_fmt ACT_Q8_0 = {QK8_0, (int)sizeof(act_q8_0), 2, quant_q8_0};
+static const act_fmt ACT_F32 = {1, (int)sizeof(float), 1, quant_f32};
 
 /* ---- weight formats, by ggml type id ---- */
 
@@ -113,10 +134,10 @@ typedef struct { /* one layer's experts: [num_experts, rows, cols] */
     int64_t rows, cols, row_bytes;
 } expert_mat;
 
-typedef struct { /* quantized activation rows */
+typedef struct { /* quantized activation rows, each `f->planes` planes of plane_bytes */
     const act_fmt *f;
     uint8_t *data;
-    int64_t row_bytes;
+    int64_t row_bytes, plane_bytes;
 } act_rows;
 
 typedef struct { /* pairs grouped by expert, ascending; stable within a group */
@@ -144,7 +165,8 @@ MC_INLINE const uint8_t *mat_row(const expert_mat *m, int64_t expert, int64_t ro
 
 static int make_acts(act_rows *a, const act_fmt *f, int64_t num_rows, int64_t cols) {
     a->f = f;
-    a->row_bytes = cols / f->block * f->bytes;
+    a->plane_bytes = cols / f->block * f->bytes;
+    a->row_bytes = f->planes * a->plane_bytes;
     a->data = malloc((size_t)(num_rows > 0 ? num_rows : 1) * (size_t)a->row_bytes);
     return a->data ? MOE_OK : MOE_ENOMEM;
 }
@@ -200,13 +222,22 @@ typedef struct {
     float *out; /* [num_tokens, hidden] */
 } ffn_job;
 
-/* Pointers to the activation rows of the group's pairs t0 .. t0+nt-1. */
+/* Pointers to the activation planes of the group's pairs t0 .. t0+nt-1: plane k of pair i at k*nt + i. */
 MC_INLINE void tile_acts(const ffn_job *j, const act_rows *a, int64_t grp, int64_t t0, int nt, int by_token,
                          const uint8_t **ptrs) {
     for (int i = 0; i < nt; ++i) {
         const int64_t p = j->r->order[j->r->start[grp] + t0 + i];
-        ptrs[i] = a->data + (by_token ? j->token_ids[p] : p) * a->row_bytes;
+        const uint8_t *row = a->data + (by_token ? j->token_ids[p] : p) * a->row_bytes;
+        for (int k = 0; k < a->f->planes; ++k) ptrs[k * nt + i] = row + k * a->plane_bytes;
     }
+}
+
+/* y[i] = dot(weight row w, activation row of pair i), its planes summed in plane order. */
+MC_INLINE void tile_dot(const expert_mat *m, const act_rows *a, const uint8_t *w, const uint8_t *const *ptrs,
+                        int nt, float *y) {
+    float part[MAX_TILE];
+    m->f->dot(w, ptrs, a->f->planes * nt, m->cols, part);
+    for (int i = 0; i < nt; ++i) y[i] = a->f->planes == 2 ? part[i] + part[nt + i] : part[i];
 }
 
 static void gate_up_rows(const ffn_job *j, int64_t grp, int64_t r0, int64_t r1) {
@@ -214,14 +245,14 @@ static void gate_up_rows(const ffn_job *j, int64_t grp, int64_t r0, int64_t r1) 
     const int64_t *pairs = j->r->order + j->r->start[grp];
     for (int64_t row = r0; row < r1; ++row) {
         const uint8_t *wg = mat_row(j->gate, e, row), *wu = mat_row(j->up, e, row);
-        for (int64_t t0 = 0; t0 < n; t0 += MAX_TILE) {
-            const int nt = (int)(n - t0 < MAX_TILE ? n - t0 : MAX_TILE);
+        for (int64_t t0 = 0; t0 < n; t0 += TILE_TOKENS) {
+            const int nt = (int)(n - t0 < TILE_TOKENS ? n - t0 : TILE_TOKENS);
             const uint8_t *ag[MAX_TILE], *au[MAX_TILE];
-            float g[MAX_TILE], u[MAX_TILE];
+            float g[TILE_TOKENS], u[TILE_TOKENS];
             tile_acts(j, j->xg, grp, t0, nt, 1, ag);
             tile_acts(j, j->xu, grp, t0, nt, 1, au);
-            j->gate->f->dot(wg, ag, nt, j->gate->cols, g);
-            j->up->f->dot(wu, au, nt, j->up->cols, u);
+            tile_dot(j->gate, j->xg, wg, ag, nt, g);
+            tile_dot(j->up, j->xu, wu, au, nt, u);
             for (int i = 0; i < nt; ++i) j->h[pairs[t0 + i] * ff + row] = silu(g[i]) * u[i];
         }
     }
@@ -277,12 +308,12 @@ static void down_rows(const ffn_job *j, int64_t grp, int64_t r0, int64_t r1) {
     const int64_t *pairs = j->r->order + j->r->start[grp];
     for (int64_t row = r0; row < r1; ++row) {
         const uint8_t *w = mat_row(j->down, e, row);
-        for (int64_t t0 = 0; t0 < n; t0 += MAX_TILE) {
-            const int nt = (int)(n - t0 < MAX_TILE ? n - t0 : MAX_TILE);
+        for (int64_t t0 = 0; t0 < n; t0 += TILE_TOKENS) {
+            const int nt = (int)(n - t0 < TILE_TOKENS ? n - t0 : TILE_TOKENS);
             const uint8_t *a[MAX_TILE];
-            float y[MAX_TILE];
+            float y[TILE_TOKENS];
             tile_acts(j, j->hq, grp, t0, nt, 0, a);
-            j->down->f->dot(w, a, nt, j->down->cols, y);
+            tile_dot(j->down, j->hq, w, a, nt, y);
             for (int i = 0; i < nt; ++i) {
                 const int64_t p = pairs[t0 + i];
                 j->out[j->token_ids[p] * hidden + row] += j->weights[p] * y[i];

@@ -28,7 +28,7 @@ from engine.types import Request, SamplingParams
 from engine.weights import ModelWeights, expert_bytes, load_weights
 
 CPU = torch.device("cpu")
-TOLERANCE = 4e-2  # int8 activations in the native CPU kernel (~1.6%); one missing or doubled pair moves ~40%
+TOLERANCE = 1e-3  # the native CPU kernel: ~1e-4 (two int8 activation planes); one missing or doubled pair moves ~40%
 
 
 @pytest.fixture(scope="module")
