@@ -14,6 +14,8 @@ from tests.vocab_files import VocabFiles  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MOECACHE_SHARED_DATA", ROOT.parent / "shared" / "data"))
+LLAMA_CPP = Path(os.environ.get("MOECACHE_LLAMA_CPP", ROOT.parent / "shared" / "tools" / "llama.cpp-cpu"))
+LLAMA_CPP_TOOLS = ("llama-quantize", "llama-perplexity")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,6 +32,15 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared test data not found at {SHARED_DATA} (set MOECACHE_SHARED_DATA)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def llama_cpp() -> Path:
+    """The directory of llama.cpp's CPU tools (llama-quantize, llama-perplexity); skips where absent."""
+    missing = [t for t in LLAMA_CPP_TOOLS if not os.access(LLAMA_CPP / t, os.X_OK)]
+    if missing:
+        pytest.skip(f"llama.cpp's {', '.join(missing)} not found in {LLAMA_CPP} (set MOECACHE_LLAMA_CPP)")
+    return LLAMA_CPP
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from engine.detok import TextOutput
 from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.gguf.tokenizer import Tokenizer
 from engine.types import Request, SamplingParams
-from tests.greedy import greedy_ids
+from tests.engine_runs import greedy_ids
 from tests.spm_vocab import spm_vocab
 
 SHARED_VOCABS = ("llama-spm", "qwen2", "gpt-2", "llama-bpe")

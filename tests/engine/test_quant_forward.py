@@ -22,8 +22,8 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.gguf.writer import TensorSpec, write_gguf
 from engine.llm_engine import LLMEngine
-from engine.model import SeqSpan
 from ops.quants import QType, format_of, random_blocks, supported_types
+from tests.engine_runs import teacher_forced
 from tests.gguf_reference import reference_logprobs, reference_model
 
 # gate, up, down of each MoE layer: three layers the native kernel runs (K-quants with a Q8_0 down as
@@ -104,22 +104,12 @@ def test_the_model_holds_every_supported_type(mixed_gguf: Path) -> None:
     assert held == set(supported_types())
 
 
-def engine_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """Teacher-forced: a prefill chunk, then one decode step per token; log-softmax `[positions, vocab]`."""
-    rows = [engine.runner.forward([SeqSpan(0, 0, PREFILL)], [ids[:PREFILL]], None)[0]]
-    engine.cache.end_step()
-    for pos in range(PREFILL, len(ids)):
-        rows.append(engine.runner.forward([SeqSpan(0, pos, 1)], [[ids[pos]]], None)[0])
-        engine.cache.end_step()
-    return torch.log_softmax(torch.stack(rows), dim=-1)
-
-
 @pytest.mark.parametrize("cache", list(CACHES))
 def test_forward_matches_the_float_reference(mixed_gguf: Path, cache: str) -> None:
     ids = torch.randint(0, 4096, (PROMPT_LEN,), generator=torch.Generator().manual_seed(4)).tolist()
     expected = reference_logprobs(reference_model(mixed_gguf), ids)[PREFILL - 1:]
     engine = LLMEngine(EngineConfig(ModelConfig(str(mixed_gguf), device="cpu", max_context=128), CACHES[cache]))
-    got = engine_logprobs(engine, ids)
+    got = teacher_forced(engine, ids, PREFILL)
     engine.close()
     assert float(expected.max(-1).values.mean()) > -6.0  # peaky: far from a uniform 4096-way choice
     error = float((got - expected).abs().max())

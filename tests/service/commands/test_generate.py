@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from service.cli import main
-from tests.greedy import greedy_continuation
+from tests.engine_runs import greedy_continuation
 
 PROMPT = "The capital of France is"
 

@@ -11,7 +11,7 @@ from http_servers import ServerThread, engine_config
 from openai import AsyncOpenAI
 
 from service.server import ServeOptions
-from tests.greedy import greedy_continuation
+from tests.engine_runs import greedy_continuation
 
 PROMPT = "The capital of France is"
 

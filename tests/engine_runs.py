@@ -1,11 +1,14 @@
-"""The reference text of a greedy continuation, from the synchronous engine and the tokenizer's decode."""
+"""Runs of the synchronous engine the tests compare with: greedy continuations and teacher-forced log-probabilities."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
+from engine.model import SeqSpan
 from engine.types import Request, SamplingParams
 
 
@@ -27,3 +30,14 @@ def greedy_continuation(path: Path, prompt: str, max_tokens: int) -> str:
     engine, ids, output = greedy_ids(path, prompt, max_tokens)
     assert engine.tokenizer.token_text(output[0]).startswith(" ")
     return engine.tokenizer.decode([*ids, *output])[len(engine.tokenizer.decode(ids)):]
+
+
+def teacher_forced(engine: LLMEngine, ids: list[int], prefill: int) -> torch.Tensor:
+    """Log-softmax after positions prefill - 1 .. len(ids) - 1: a prefill chunk of `prefill` tokens, then one
+    decode step per token, as generation runs (KV slot 0, the engine otherwise idle); `[rows, vocab]`."""
+    rows = [engine.runner.forward([SeqSpan(0, 0, prefill)], [ids[:prefill]], None)[0]]
+    engine.cache.end_step()
+    for pos in range(prefill, len(ids)):
+        rows.append(engine.runner.forward([SeqSpan(0, pos, 1)], [[ids[pos]]], None)[0])
+        engine.cache.end_step()
+    return torch.log_softmax(torch.stack(rows), dim=-1)
