@@ -6,12 +6,14 @@ The text is tokenized (BOS as the vocabulary says) and cut into chunks of `-c` t
 scored on its own, a BOS in its first place where the vocabulary adds one, and the tokens of its second
 half count (each position predicts the next token). `--kl-divergence-base FILE` saves the run's
 log-probabilities in llama.cpp's file format; with `--kl-divergence` the run is compared with FILE
-(written by moecache or by llama.cpp) on the chunks FILE holds.
+(written by moecache or by llama.cpp) on the chunks FILE holds; `--sweep` compares every miss mode and
+cache policy (experts in host RAM behind `--moe-cache-mib`) with the model loaded once.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import replace
@@ -19,27 +21,30 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import EngineConfig
+from engine.config import MISS_MODES, EngineConfig
 from engine.llm_engine import LLMEngine
 from service.commands.kld import Divergence, Perplexity, report
-from service.commands.logits_file import encode_rows, open_base, write_header
+from service.commands.logits_file import BaseFile, encode_rows, open_base, write_header
 from service.options import add_engine_options, engine_config
 from service.progress import ProgressBar
 
 DEFAULT_CTX = 512  # llama-perplexity's default
+SWEEP_POLICIES = ("lru", "decay", "lfru")  # "static" needs a profile
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("perplexity", help="perplexity of a text, or KL divergence against a base run",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_options(p)
-    p.set_defaults(ctx_size=DEFAULT_CTX)
+    p.set_defaults(ctx_size=DEFAULT_CTX, max_num_seqs=1)  # one sequence at a time: one KV slot
     p.add_argument("-f", "--file", help="the text (not needed with --kl-divergence: FILE holds the tokens)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
     p.add_argument("--kl-divergence-base", metavar="FILE", default=None,
                    help="save this run's log-probabilities to FILE (llama.cpp's format), or with "
                         "--kl-divergence read the base run from FILE")
     p.add_argument("--kl-divergence", action="store_true", help="compare this run with --kl-divergence-base")
+    p.add_argument("--sweep", action="store_true", help="with --kl-divergence: compare every miss mode and cache "
+                   "policy, experts in host RAM behind --moe-cache-mib, the model loaded once")
     p.add_argument("--json", action="store_true", help="print the final figures as one JSON object")
     p.set_defaults(run=run)
     return p
@@ -58,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 def make_engine(args: argparse.Namespace, num_ctx: int) -> LLMEngine:
     config: EngineConfig = engine_config(args)
     model = replace(config.model, max_context=max(config.model.max_context, num_ctx))
-    config = replace(config, model=model, scheduler=replace(config.scheduler, max_num_seqs=1))
+    config = replace(config, model=model)
     engine = LLMEngine(config, progress=ProgressBar(sys.stderr))
     print(engine.cache.describe(), file=sys.stderr, flush=True)
     if engine.tokenizer.spec.add_eos:
@@ -116,19 +121,41 @@ def compare(args: argparse.Namespace) -> int:
     if base.num_vocab != engine.weights.hparams.vocab_size:
         raise ValueError(f"{args.kl_divergence_base} has a vocabulary of {base.num_vocab} tokens, the model "
                          f"{engine.weights.hparams.vocab_size}")
-    first, stats = base.num_ctx // 2, Divergence()
     num_chunks = base.num_chunks if args.chunks is None else min(args.chunks, base.num_chunks)
     try:
+        if args.sweep:
+            sweep(engine, base, num_chunks, args.json)
+            return 0
+        summary = divergence(engine, base, num_chunks, progress=True)
+    finally:
+        engine.close()
+    print(json.dumps(summary) if args.json else "\n" + report(summary))
+    return 0
+
+
+def divergence(engine: LLMEngine, base: BaseFile, num_chunks: int, progress: bool = False) -> dict[str, float]:
+    first, stats = base.num_ctx // 2, Divergence()
+    if progress:
         print("chunk   PPL(Q)      ln(PPL(Q)/PPL(base))   KL divergence   same top p")
-        for i in range(num_chunks):
-            tokens = base.tokens[i]
-            logprobs = engine.score(chunk_ids(engine, tokens), first).numpy()
-            stats.add(logprobs, base.chunk(i), tokens[first + 1:])
+    for i in range(num_chunks):
+        tokens = base.tokens[i]
+        stats.add(engine.score(chunk_ids(engine, tokens), first).numpy(), base.chunk(i), tokens[first + 1:])
+        if progress:
             s = stats.summary()
             print(f"{i + 1:5d}   {s['ppl']:9.4f}   {s['ln_ppl_ratio']:10.5f}             {s['mean_kld']:10.6f}"
                   f"      {100 * s['same_top']:6.2f} %", flush=True)
-    finally:
-        engine.close()
-    summary = stats.summary()
-    print(json.dumps(summary) if args.json else "\n" + report(summary))
-    return 0
+    return stats.summary()
+
+
+def sweep(engine: LLMEngine, base: BaseFile, num_chunks: int, as_json: bool) -> None:
+    if not as_json:
+        print("miss mode  policy   mean KLD     max KLD      max |Δ log p|  same top p   hit ratio")
+    for mode, policy in itertools.product(MISS_MODES, SWEEP_POLICIES):
+        engine.reconfigure_cache(replace(engine.config.cache, cpu_moe=True, miss_mode=mode, policy=policy))
+        s = {**divergence(engine, base, num_chunks), "hit_ratio": engine.cache.snapshot().hit_ratio()}
+        if as_json:
+            print(json.dumps({"miss_mode": mode, "policy": policy, **s}), flush=True)
+        else:
+            print(f"{mode:9s}  {policy:6s}   {s['mean_kld']:.3e}    {s['max_kld']:.3e}    "
+                  f"{s['max_abs_dlogprob']:.3e}      {100 * s['same_top']:6.2f} %     {100 * s['hit_ratio']:5.1f} %",
+                  flush=True)

@@ -137,3 +137,16 @@ def test_clear_errors(tmp_path: Path, text: Path, capsys: pytest.CaptureFixture)
     assert main(["perplexity", "-m", str(path), "--device", "cpu", "--kl-divergence-base", str(other),
                  "--kl-divergence"]) == 2
     assert "_logits_" in capsys.readouterr().err
+
+
+def test_sweep_compares_every_miss_mode_and_policy(tmp_path: Path, text: Path, capsys: pytest.CaptureFixture) -> None:
+    _, path = hf_and_gguf("mixtral", tmp_path / "model.gguf", QType.Q8_0)
+    base = tmp_path / "base.kld"
+    run_json(capsys, "-m", str(path), "-f", str(text), "--kl-divergence-base", str(base))
+    # batches of 16 tokens go through the cache (prefill batches above 32 would be staged instead)
+    assert main(["perplexity", "--device", "cpu", "-m", str(path), "--kl-divergence-base", str(base),
+                 "--kl-divergence", "--sweep", "--moe-cache-mib", "1", "--max-batch-tokens", "16", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert {(r["miss_mode"], r["policy"]) for r in rows} == {(m, p) for m in ("cpu", "stream", "hybrid")
+                                                             for p in ("lru", "decay", "lfru")}
+    assert all(r["max_kld"] < 1e-5 and r["same_top"] == 1.0 and 0 < r["hit_ratio"] < 1 for r in rows)
