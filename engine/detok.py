@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.gguf.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -17,10 +19,13 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 class TextOutput:
-    """The text of one request as it grows. `emit` returns only what no stop string can take back."""
+    """The text of one request as it grows. `emit` returns only what no stop string can take back.
 
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
+    The text continues `prompt_ids`: it equals `decode(prompt + output)[len(decode(prompt)):]`, so a
+    SentencePiece vocabulary keeps the leading space of the first generated token after a prompt."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], prompt_ids: Sequence[int] = ()) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stops = stops
         self.text = ""
         self.sent = 0  # characters already emitted

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -26,9 +27,9 @@ from engine.model import Model, SeqSpan
 from engine.moe import Router
 from engine.routing import TraceRecorder, make_router
 from engine.runner import ModelRunner
-from engine.sampler import SamplingState, make_generator, sample
+from engine.sampler import SamplingState, make_generator, prompt_logprobs, sample
 from engine.scheduler import Scheduler, Sequence
-from engine.types import Request, RequestError, RequestOutput, SchedulerOutput, StepOutput, TokenLogprob
+from engine.types import Request, RequestError, RequestOutput, ScheduledSeq, SchedulerOutput, StepOutput, TokenLogprob
 from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,14 @@ class RequestState:
     text: TextOutput
     stop_ids: frozenset[int]
     first_token_time: float | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # gathered while the prompt prefills; None once sent
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...]:
+        """The prompt's log-probabilities (None first: nothing precedes the first token), once."""
+        if self.prompt_logprobs is None:
+            return ()
+        taken, self.prompt_logprobs = (None, *self.prompt_logprobs), None
+        return taken
 
 
 @dataclass(frozen=True)
@@ -118,8 +127,10 @@ class LLMEngine:
             stop_ids |= self.tokenizer.stop_token_ids
         seq = self.scheduler.add(request)
         state = SamplingState(params, request.prompt_ids, seq.output_ids, make_generator(params.seed, self.device))
-        text = TextOutput(self.tokenizer, params.stop)
-        self.requests[request.request_id] = RequestState(seq, state, text, frozenset(stop_ids))
+        text = TextOutput(self.tokenizer, params.stop, request.prompt_ids)
+        self.requests[request.request_id] = RequestState(seq, state, text, frozenset(stop_ids),
+                                                         prompt_logprobs=None if params.prompt_logprobs is None
+                                                         else [])
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.requests.pop(request_id, None)
@@ -148,30 +159,88 @@ class LLMEngine:
         start = time.perf_counter()
         spans = [SeqSpan(s.slot, s.start, len(s.token_ids)) for s in sched.seqs]
         keys = [s.request_id for s in sched.seqs for _ in s.token_ids]
+        logits_from = self._logits_from(sched)
+        # NOTE: a sequence's logit rows end at its last token; one row each unless logits_from says more
+        counts = [1] * len(sched.seqs) if logits_from is None else \
+            [s.start + len(s.token_ids) - first for s, first in zip(sched.seqs, logits_from, strict=True)]
+        last_rows = list(itertools.accumulate(counts, initial=-1))[1:]
         rows = [i for i, s in enumerate(sched.seqs) if s.samples]
         states = [self.requests[sched.seqs[i].request_id].sampling for i in rows]
         sampled: tuple[list, list] = ([], [])
+        prompt: dict[str, tuple[TokenLogprob, ...]] = {}
 
-        def sample_rows(logits: torch.Tensor) -> None:
-            if rows:  # NOTE: all rows (a decode step) index nothing: no copy of the row list to the device
-                sampled[0][:], sampled[1][:] = sample(logits if len(rows) == len(sched.seqs) else logits[rows],
-                                                      states)
+        def consume(logits: torch.Tensor) -> None:
+            if rows:  # NOTE: every row of a decode step: the logits as they are, no row list to the device
+                every = logits_from is None and len(rows) == len(sched.seqs)
+                picked = logits if every else logits[[last_rows[i] for i in rows]]
+                sampled[0][:], sampled[1][:] = sample(picked, states)
+            if logits_from is not None:
+                prompt.update(self._prompt_logprobs(sched, logits, last_rows))
 
-        record = self.forward(spans, [list(s.token_ids) for s in sched.seqs], keys, sample_rows)
+        record = self.forward(spans, [list(s.token_ids) for s in sched.seqs], keys, consume, logits_from)
         self._record_trace(sched, record.ids)
         ids = [sched.seqs[i].request_id for i in rows]
         self.counters["steps"] += 1
         tokens, logprobs = sampled
         return StepOutput(dict(zip(ids, tokens)), {i: lp for i, lp in zip(ids, logprobs) if lp is not None},
-                          sched.num_tokens, time.perf_counter() - start)
+                          sched.num_tokens, time.perf_counter() - start, prompt)
+
+    def _predicts_prompt(self, s: ScheduledSeq) -> bool:
+        """Whether the chunk predicts prompt tokens whose log-probabilities the request asked for."""
+        request = self.requests[s.request_id].seq.request
+        return request.params.prompt_logprobs is not None and s.start < len(request.prompt_ids) - 1
+
+    def _logits_from(self, sched: SchedulerOutput) -> list[int] | None:
+        """First position of each sequence whose logits the step computes: all of a chunk that predicts
+        asked-for prompt tokens, else the last token; None when only last tokens are needed."""
+        wanted = [self._predicts_prompt(s) for s in sched.seqs]
+        if not any(wanted):
+            return None
+        return [s.start if w else s.start + len(s.token_ids) - 1 for s, w in zip(sched.seqs, wanted, strict=True)]
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor,
+                         last_rows: list[int]) -> dict[str, tuple[TokenLogprob, ...]]:
+        out = {}
+        for s, last in zip(sched.seqs, last_rows, strict=True):
+            if not self._predicts_prompt(s):
+                continue
+            request = self.requests[s.request_id].seq.request
+            first_row = last - len(s.token_ids) + 1
+            stop = min(s.start + len(s.token_ids), len(request.prompt_ids) - 1)  # positions before predict
+            next_ids = request.prompt_ids[s.start + 1:stop + 1]
+            out[s.request_id] = tuple(prompt_logprobs(logits[first_row:first_row + len(next_ids)], next_ids,
+                                                      request.params.prompt_logprobs or 0))
+        return out
+
+    def score(self, ids: list[int], first: int) -> torch.Tensor:
+        """Log-probabilities of the whole vocabulary after positions first .. len(ids) - 2 of one sequence,
+        float32 `[len(ids) - 1 - first, vocab]` (row i predicts ids[first + 1 + i]). The sequence is
+        prefilled in chunks of a step's token budget, as a prompt is, each chunk one step of the expert
+        cache. Only while no request runs: it uses KV slot 0."""
+        if self.has_unfinished():
+            raise RuntimeError("score runs only while no request runs")
+        if not 0 <= first < len(ids) - 1 or len(ids) > self.max_model_len:
+            raise ValueError(f"need 0 <= first < {len(ids) - 1} and at most {self.max_model_len} tokens")
+        rows: list[torch.Tensor] = []
+        budget = self.scheduler.config.max_num_batched_tokens
+        for start in range(0, len(ids) - 1, budget):
+            chunk = ids[start:min(start + budget, len(ids) - 1)]
+            out: list[torch.Tensor] = []
+            self.forward([SeqSpan(0, start, len(chunk))], [chunk], ["score"] * len(chunk),
+                         lambda logits: out.append(torch.log_softmax(logits, dim=-1)), [first])
+            if start + len(chunk) > first:  # else the one row computed is the chunk's last, before `first`
+                rows.append(out[0])
+        self.cache.flush()
+        return torch.cat(rows)
 
     def forward(self, spans: list[SeqSpan], token_ids: list[list[int]], keys: list[str],
-                consume: Callable[[torch.Tensor], None]) -> StepRecord:
+                consume: Callable[[torch.Tensor], None], logits_from: list[int] | None = None) -> StepRecord:
         """One forward pass with the expert cache's protocol around it; `consume(logits)` reads the logits
-        (sampling: it waits for the device). `keys`: the request of each token. Returns the step record."""
+        (sampling: it waits for the device). `keys`: the request of each token; `logits_from`: see
+        `ForwardBatch.build`. Returns the step record."""
         self.model.router.begin_step(keys)
         self.cache.prepare_step()  # a. the table changes decided during the last step, for the device
-        logits = self.runner.forward(spans, token_ids)  # b. launched
+        logits = self.runner.forward(spans, token_ids, logits_from)  # b. launched
         self.cache.launched()
         # c. while the device computes: the previous step's cache bookkeeping, the router's work ahead
         self.cache.process()
@@ -210,6 +279,8 @@ class LLMEngine:
                 continue
             if s.start == 0:
                 self.counters["prompt_tokens"] += len(state.seq.request.prompt_ids)
+            if state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(result.prompt_logprobs.get(s.request_id, ()))
             token = result.sampled.get(s.request_id)
             if token is not None:
                 state.first_token_time = state.first_token_time or now
@@ -229,7 +300,7 @@ class LLMEngine:
             return self._finish(state, (token,), lps, "length")
         return RequestOutput(seq.request_id, (token,), state.text.emit(), lps,
                              num_prompt_tokens=len(seq.request.prompt_ids),
-                             num_generated_tokens=len(seq.output_ids))
+                             num_generated_tokens=len(seq.output_ids), prompt_logprobs=state.take_prompt_logprobs())
 
     def _finish(self, state: RequestState, tokens: tuple[int, ...], lps: tuple, reason: str) -> RequestOutput:
         self.requests.pop(state.seq.request_id, None)
@@ -241,7 +312,8 @@ class LLMEngine:
     def _output(state: RequestState, tokens: tuple[int, ...], lps: tuple, reason: str) -> RequestOutput:
         seq = state.seq
         return RequestOutput(seq.request_id, tokens, state.text.finish(), lps, True, reason,
-                             len(seq.request.prompt_ids), len(seq.output_ids))
+                             len(seq.request.prompt_ids), len(seq.output_ids),
+                             prompt_logprobs=state.take_prompt_logprobs())
 
     def reconfigure_cache(self, cache: CacheConfig) -> list[str]:
         """Replace the expert cache (placement, budget, policy, miss mode) while idle, keeping the loaded

@@ -32,16 +32,22 @@ class ForwardBatch:
     positions: torch.Tensor  # [tokens] int64
     slot_ids: torch.Tensor  # [tokens] int64, KV slot of each token
     spans: tuple[SeqSpan, ...]  # sequences in token order
-    logit_rows: torch.Tensor  # [seqs] row of each sequence's last token
+    logit_rows: torch.Tensor  # rows whose logits are computed: each sequence's last token, or more on request
     kv_length: int  # decode attention reads this many positions of each slot (>= every position + 1)
     token_mask: torch.Tensor | None = None  # [tokens] bool; False rows (padding) route to no expert
 
     @classmethod
-    def build(cls, spans: list[SeqSpan], token_ids: list[list[int]], device: torch.device) -> ForwardBatch:
+    def build(cls, spans: list[SeqSpan], token_ids: list[list[int]], device: torch.device,
+              logits_from: list[int] | None = None) -> ForwardBatch:
+        """`logits_from[i]`: the first position of sequence i whose logits are computed (default: its last
+        token, which always is); rows come in token order."""
         ids = [t for seq in token_ids for t in seq]
         positions = [p for s in spans for p in range(s.start, s.end)]
         slots = [s.slot for s in spans for _ in range(s.num_tokens)]
-        rows = [sum(s.num_tokens for s in spans[:i + 1]) - 1 for i in range(len(spans))]
+        ends = [sum(s.num_tokens for s in spans[:i + 1]) for i in range(len(spans))]
+        froms = logits_from or [s.end - 1 for s in spans]
+        rows = [end - s.end + p for s, end, first in zip(spans, ends, froms, strict=True)
+                for p in range(min(max(first, s.start), s.end - 1), s.end)]
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
         return cls(as_tensor(ids), as_tensor(positions), as_tensor(slots), tuple(spans), as_tensor(rows),
                    max(s.end for s in spans))
@@ -79,7 +85,8 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Logits of each sequence's last token: float32 `[num_seqs, vocab]`."""
+        """Logits of the batch's logit rows (each sequence's last token unless built otherwise): float32
+        `[rows, vocab]`."""
         eps, layers = self.hp.rms_eps, self.w.layers
         x = self.w.embed[batch.input_ids]  # [tokens, hidden]
         h = rms_norm(x, layers[0].attn_norm, eps)

@@ -54,11 +54,13 @@ class ModelRunner:
         return (self.use_graphs and self.experts.is_graph_safe and len(spans) <= self.sizes[-1]
                 and all(s.num_tokens == 1 for s in spans))
 
-    def forward(self, spans: list[SeqSpan], token_ids: list[list[int]]) -> torch.Tensor:
-        """Logits `[seqs, vocab]` of each sequence's last token (launched: not synchronized)."""
-        if self.can_replay(spans):
+    def forward(self, spans: list[SeqSpan], token_ids: list[list[int]],
+                logits_from: list[int] | None = None) -> torch.Tensor:
+        """Logits `[seqs, vocab]` of each sequence's last token, or of more rows (`logits_from`, see
+        `ForwardBatch.build`: such a step runs eagerly); launched, not synchronized."""
+        if logits_from is None and self.can_replay(spans):
             return self._replay(spans, token_ids)
-        return self._step(ForwardBatch.build(spans, token_ids, self.model.device))
+        return self._step(ForwardBatch.build(spans, token_ids, self.model.device, logits_from))
 
     def _step(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.token_mask is not None:  # a captured batch: its padding rows write the scratch slot

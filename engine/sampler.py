@@ -78,6 +78,18 @@ def token_logprob(logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogp
     return TokenLogprob(token, float(logprobs[token]), top)
 
 
+def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], num_top: int) -> list[TokenLogprob]:
+    """Logits `[n, vocab]` of n positions and the token that followed each -> that token's logprob and the
+    `num_top` most likely tokens, per position."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    chosen = logprobs.gather(1, torch.tensor(next_ids, device=logits.device)[:, None])[:, 0].tolist()
+    if not num_top:
+        return [TokenLogprob(t, lp) for t, lp in zip(next_ids, chosen, strict=True)]
+    values, ids = torch.topk(logprobs, num_top)
+    return [TokenLogprob(t, lp, tuple(zip(top_ids, top_values)))
+            for t, lp, top_ids, top_values in zip(next_ids, chosen, ids.tolist(), values.tolist(), strict=True)]
+
+
 def _is_plain_greedy(state: SamplingState) -> bool:
     p = state.params
     return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty

@@ -144,8 +144,11 @@ def padded_vocab(vocab: dict[str, Any], size: int) -> dict[str, Any]:
     if size < len(tokens):
         raise ValueError(f"vocabulary of {size} is smaller than the tokenizer's {len(tokens)} tokens")
     extra = size - len(tokens)
-    return {**vocab, "tokenizer.ggml.tokens": tokens + [f"<|unused_{i}|>" for i in range(extra)],
-            "tokenizer.ggml.token_type": list(vocab["tokenizer.ggml.token_type"]) + [TOKEN_TYPE_UNUSED] * extra}
+    padded = {**vocab, "tokenizer.ggml.tokens": tokens + [f"<|unused_{i}|>" for i in range(extra)],
+              "tokenizer.ggml.token_type": list(vocab["tokenizer.ggml.token_type"]) + [TOKEN_TYPE_UNUSED] * extra}
+    if "tokenizer.ggml.scores" in vocab:  # SentencePiece vocabularies score every token
+        padded["tokenizer.ggml.scores"] = list(vocab["tokenizer.ggml.scores"]) + [0.0] * extra
+    return padded
 
 
 def write_synth(path: str | Path, preset: Preset, vocab: dict[str, Any], seed: int = 0,

@@ -31,6 +31,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: the chosen token's logprob and the n most likely
+    prompt_logprobs: int | None = None  # None: none; n: each prompt token's logprob and the n most likely
 
     def __post_init__(self) -> None:
         checks = [
@@ -43,6 +44,7 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(self.stop), "stop strings must not be empty"),
         ]
         for name, ok, message in checks:
@@ -99,6 +101,8 @@ class StepOutput:
     logprobs: dict[str, TokenLogprob]
     num_tokens: int  # tokens the forward pass computed
     seconds: float
+    # request id -> the log-probabilities of the prompt tokens this step's chunk predicted, in order
+    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -114,3 +118,5 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     error: str | None = None
+    # in the first output of a request that asked: one per prompt token, None for the first (no context)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()

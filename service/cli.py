@@ -16,7 +16,7 @@ import importlib  # noqa: E402
 
 from service.options import apply_env_defaults  # noqa: E402
 
-COMMANDS = ("generate", "synth", "plan", "serve", "bench")
+COMMANDS = ("generate", "perplexity", "synth", "plan", "serve", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,9 +12,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 
 from ops.quants import QType, quantize
+
+FILE_TYPE_KEY = "general.file_type"
+# llama.cpp's file type named after a tensor type (its loader's guess for a file without the key)
+FILE_TYPES = {
+    QType.F32: LlamaFileType.ALL_F32, QType.F16: LlamaFileType.MOSTLY_F16, QType.BF16: LlamaFileType.MOSTLY_BF16,
+    QType.Q4_0: LlamaFileType.MOSTLY_Q4_0, QType.Q4_1: LlamaFileType.MOSTLY_Q4_1,
+    QType.Q5_0: LlamaFileType.MOSTLY_Q5_0, QType.Q5_1: LlamaFileType.MOSTLY_Q5_1,
+    QType.Q8_0: LlamaFileType.MOSTLY_Q8_0, QType.Q2_K: LlamaFileType.MOSTLY_Q2_K,
+    QType.Q3_K: LlamaFileType.MOSTLY_Q3_K_M, QType.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
+    QType.Q5_K: LlamaFileType.MOSTLY_Q5_K_M, QType.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    QType.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL, QType.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
+    QType.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,14 @@ def _add_metadata(writer: GGUFWriter, key: str, value: Any) -> None:
         writer.add_key_value(key, value, _value_type(value))
 
 
+def file_type(specs: Iterable[TensorSpec]) -> LlamaFileType:
+    """The file type of the tensor type that holds the most bytes (llama.cpp reports a file by it)."""
+    num_bytes: dict[QType, int] = {}
+    for spec in specs:
+        num_bytes[spec.qtype] = num_bytes.get(spec.qtype, 0) + spec.num_bytes
+    return FILE_TYPES.get(max(num_bytes, key=lambda t: num_bytes[t]), LlamaFileType.GUESSED)
+
+
 def _raw_numpy(data: np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(data, torch.Tensor):
         data = data.contiguous().cpu().numpy()
@@ -94,12 +115,15 @@ def write_gguf(
     sparse: bool = False,
 ) -> list[Path]:
     """Write a model; with `split_max_bytes` it is split into `-0000i-of-0000N.gguf` files. `sparse`
-    writes only the header and leaves the tensor data a hole of zeros (shapes for planning, not weights)."""
+    writes only the header and leaves the tensor data a hole of zeros (shapes for planning, not weights).
+    `general.file_type` is added from the tensors' types unless the metadata has it."""
     path = Path(path)
     specs = list(tensors)
     if sparse and split_max_bytes:
         raise ValueError("a sparse model cannot be split")
     writer = GGUFWriter(path, arch, split_max_size=split_max_bytes)
+    if specs and FILE_TYPE_KEY not in metadata:
+        _add_metadata(writer, FILE_TYPE_KEY, int(file_type(specs)))
     for key, value in metadata.items():
         if key != "general.architecture":
             _add_metadata(writer, key, value)

@@ -45,6 +45,8 @@ def sampling_body(sampling: Any, is_chat: bool) -> dict[str, Any]:
         body["stop"] = list(sampling.stop)
     if sampling.ignore_eos:
         body["ignore_eos"] = True
+    if sampling.HasField("prompt_logprobs"):
+        body["prompt_logprobs"] = sampling.prompt_logprobs
     if sampling.HasField("logprobs"):  # the chat API spells "n most likely tokens" differently
         body.update({"logprobs": True, "top_logprobs": sampling.logprobs} if is_chat else
                     {"logprobs": sampling.logprobs})
@@ -74,7 +76,9 @@ def tokenize_body(request: Any) -> dict[str, Any]:
 
 def chunk_message(out: RequestOutput, tokenizer: Tokenizer) -> Any:
     logprobs = [token_logprob(lp, tokenizer) for lp in out.logprobs]
-    chunk = gen_pb.TokenChunk(text=out.new_text, token_ids=out.new_token_ids, logprobs=logprobs)
+    prompt = [token_logprob(lp, tokenizer) for lp in out.prompt_logprobs if lp is not None]
+    chunk = gen_pb.TokenChunk(text=out.new_text, token_ids=out.new_token_ids, logprobs=logprobs,
+                              prompt_logprobs=prompt)
     return gen_pb.GenerateResponse(chunk=chunk)
 
 

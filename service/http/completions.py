@@ -25,8 +25,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state, body = app_state(request), Body(await read_json(request))
     check_model(body, state.model_name)
     job = await asyncio.to_thread(parse_completion, body, state.tokenizer, state.limits)
-    return await respond(request, state, job, CompletionFormat(state.tokenizer, job.params.logprobs is not None),
-                         arrival)
+    return await respond(request, state, job, CompletionFormat.for_job(state.tokenizer, job), arrival)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -103,6 +102,6 @@ async def send_output(events: EventStream, choice: Choice, out: RequestOutput, f
                       chunk: Callable[[JsonObject], JsonObject]) -> None:
     choice.add(out)
     if out.new_text or out.logprobs:
-        await events.send(chunk(fmt.delta(choice.index, out.new_text, out.logprobs)))
+        await events.send(chunk(fmt.delta(choice.index, out.new_text, out.logprobs, out.prompt_logprobs)))
     if out.finished:
         await events.send(chunk(fmt.finish(choice.index, out.finish_reason or "abort")))

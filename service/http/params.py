@@ -72,6 +72,8 @@ class Generation:
     n: int
     stream: bool
     include_usage: bool
+    echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens') before the output
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
 
     @property
     def num_choices(self) -> int:
@@ -98,13 +100,21 @@ def check_model(body: Body, served: str) -> None:
 def parse_completion(body: Body, tokenizer: Tokenizer, limits: Limits) -> Generation:
     _check_unsupported(body)
     prompts = completion_prompts(body.raw("prompt"), tokenizer)
-    logprobs = body.integer("logprobs")
-    params = sampling_params(body, limits, COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
-    return _generation(body, prompts, params, limits)
+    logprobs, echo = body.integer("logprobs"), body.boolean("echo", False)
+    # vLLM's prompt_logprobs, or OpenAI's legacy echo + logprobs: the prompt tokens' logprobs as well
+    prompt_logprobs = body.integer("prompt_logprobs", logprobs if echo else None)
+    if body.raw("prompt_logprobs") is not None and body.boolean("stream", False):
+        raise bad_request("prompt_logprobs does not stream; use echo with logprobs", "prompt_logprobs")
+    params = sampling_params(body, limits, COMPLETION_DEFAULT_MAX_TOKENS, logprobs, prompt_logprobs)
+    return replace(_generation(body, prompts, params, limits), echo=echo,
+                   tokens_as_ids=body.boolean("return_tokens_as_token_ids", False))
 
 
 def parse_chat(body: Body, tokenizer: Tokenizer, limits: Limits, max_model_len: int) -> Generation:
     _check_unsupported(body)
+    for name in ("echo", "prompt_logprobs"):
+        if body.raw(name):
+            raise bad_request(f"{name} is for prompts: use /v1/completions", name)
     try:
         prompt = tuple(tokenizer.encode_chat(chat_messages(body.raw("messages"))))
     except ValueError as error:  # the template refused the conversation
@@ -129,8 +139,6 @@ def _check_unsupported(body: Body) -> None:
     for name in UNSUPPORTED:
         if body.raw(name):
             raise bad_request(f"{name} is not supported by this server", name)
-    if body.boolean("echo", False):
-        raise bad_request("echo is not supported by this server", "echo")
     if (body.integer("best_of") or 1) > 1:
         raise bad_request("best_of is not supported by this server", "best_of")
 
@@ -205,7 +213,8 @@ def max_tokens(body: Body, limits: Limits, default: int) -> int:
     return value
 
 
-def sampling_params(body: Body, limits: Limits, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: Body, limits: Limits, default_max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams checks ranges itself; its RequestError names the field."""
     seed = body.integer("seed")
     if seed is not None and not 0 <= seed <= MAX_SEED:
@@ -219,4 +228,4 @@ def sampling_params(body: Body, limits: Limits, default_max_tokens: int, logprob
         presence_penalty=body.number("presence_penalty", 0.0),
         frequency_penalty=body.number("frequency_penalty", 0.0),
         seed=seed, stop=stop_strings(body, limits), ignore_eos=body.boolean("ignore_eos", False),
-        logprobs=logprobs)
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs)

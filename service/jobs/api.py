@@ -40,8 +40,10 @@ def _check_runnable_as_job(generation: Generation) -> None:
         raise bad_request("jobs do not stream; read GET /v1/jobs/{id}/events instead", "stream")
     if generation.num_choices != 1:
         raise bad_request("a job generates one choice: one prompt and n = 1", "n")
-    if generation.params.logprobs is not None:
+    if generation.params.logprobs is not None or generation.params.prompt_logprobs is not None:
         raise bad_request("jobs do not keep logprobs", "logprobs")
+    if generation.echo:
+        raise bad_request("jobs do not echo the prompt", "echo")
 
 
 def not_found(job_id: str) -> ApiError:

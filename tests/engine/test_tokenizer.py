@@ -6,15 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import subprocess
 import sys
-from functools import cache, lru_cache
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import pytest
-from gguf import GGUFReader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,58 +19,10 @@ from engine.gguf.backends import byte_level_decoding
 from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.gguf.pretokenizers import PRE_TOKENIZERS, build_pre_tokenizer, pre_tokenizer_spec
 from engine.gguf.tokenizer import IncrementalDetokenizer, Tokenizer, partition
+from tests.vocab_files import KNOWN_VOCABS, VocabFiles
 
-KNOWN_VOCABS = ("gpt-2", "llama-bpe", "llama-spm", "qwen2")
 CASE_SEPARATOR = "\n__ggml_vocab_test__\n"
 HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def gguf_metadata(path: Path, cache_dir: Path | None) -> dict[str, Any]:
-    """Every key/value of a GGUF file as plain Python values (str, int, float, bool, lists).
-
-    GGUFReader needs seconds for a 150k-token vocabulary, so the values are kept in pytest's cache."""
-    stat = path.stat()
-    cached = cache_dir / f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}.pickle" if cache_dir else None
-    if cached is not None and cached.exists():
-        return pickle.loads(cached.read_bytes())
-    metadata = {name: field.contents() for name, field in GGUFReader(path).fields.items()}
-    if cached is not None:
-        cached.write_bytes(pickle.dumps(metadata))
-    return metadata
-
-
-class VocabFiles:
-    """llama.cpp's ggml-vocab-*.gguf files with their .inp/.out test vectors."""
-
-    def __init__(self, directory: Path, cache_dir: Path | None) -> None:
-        self.directory = directory
-        self.cache_dir = cache_dir
-
-    def path(self, name: str) -> Path:
-        path = self.directory / f"ggml-vocab-{name}.gguf"
-        if not path.exists():
-            pytest.skip(f"{path.name} not present in {self.directory}")
-        return path
-
-    @cache  # noqa: B019 - one instance per test session
-    def metadata(self, name: str) -> dict[str, Any]:
-        return gguf_metadata(self.path(name), self.cache_dir)
-
-    @cache  # noqa: B019 - one instance per test session
-    def tokenizer(self, name: str) -> Tokenizer:
-        return Tokenizer.from_metadata(self.metadata(name))
-
-    def others(self) -> list[str]:
-        """Names of vocab files with test vectors besides the known ones."""
-        names = [
-            p.name[len("ggml-vocab-") : -len(".gguf")]
-            for p in sorted(self.directory.glob("ggml-vocab-*.gguf"))
-        ]
-        return [
-            n
-            for n in names
-            if n not in KNOWN_VOCABS and (self.directory / f"ggml-vocab-{n}.gguf.inp").exists()
-        ]
 
 
 def vocab_cases(path: Path) -> list[tuple[str, list[int]]]:
@@ -87,16 +36,6 @@ def vocab_cases(path: Path) -> list[tuple[str, list[int]]]:
     outputs = path.with_name(path.name + ".out").read_text(encoding="utf-8").splitlines()
     assert len(inputs) == len(outputs), f"{path.name}: {len(inputs)} inputs, {len(outputs)} outputs"
     return [(text, [int(x) for x in line.split()]) for text, line in zip(inputs, outputs, strict=True)]
-
-
-@pytest.fixture(scope="session")
-def vocabs(shared_data: Path, request: pytest.FixtureRequest) -> VocabFiles:
-    directory = shared_data / "vocab"
-    if not directory.is_dir():
-        pytest.skip(f"no llama.cpp vocab test files at {directory}")
-    pytest_cache = getattr(request.config, "cache", None)
-    cache_dir = pytest_cache.mkdir("moecache-gguf-metadata") if pytest_cache is not None else None
-    return VocabFiles(directory, cache_dir)
 
 
 def mismatches(tokenizer: Tokenizer, cases: list[tuple[str, list[int]]]) -> list[str]:

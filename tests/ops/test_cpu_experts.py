@@ -3,11 +3,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import gguf.quants
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -39,20 +37,14 @@ FORMATS = [
 ]
 # build flags -> the SIMD path they must select on an x86 machine with AVX-512 VNNI
 VARIANTS = {(): None, ("-mno-avx512f",): "avx2", ("-DMOECACHE_SCALAR",): "scalar"}
-# int8 activation block of each format (None: float activations)
-ACT_BLOCK = {QType.Q4_K: 256, QType.Q5_K: 256, QType.Q6_K: 256, QType.Q8_0: 32}
+FLOAT_TYPES = {QType.F16, QType.BF16, QType.F32}
 
-# Measured relative error (norm of the whole output) against the fp32 reference: 0.5-2.5% from
-# the int8 activations, most of it from quantizing h = silu(gate) * up for the down projection.
-# A wrong block decode gives errors of order 1.
-ACT_QUANT_RTOL = 5e-2
-# Against a reference that rounds the activations exactly as the kernel does, only fp32 summation
-# order remains (measured <= 5e-7 of the largest output), once each h element within ROUNDING_MARGIN
-# of a rounding boundary may round either way (its h is the float32 sum of another order). A wrong
-# scale, min or bit plane in any decoded block is orders of magnitude above.
-EMULATED_ATOL = 1e-5  # of max |output|
-ROUNDING_MARGIN = 2e-3  # in units of the int8 step
-FLOAT_RTOL = 1e-5
+# Elementwise, of max |output|, against the fp32 reference. The kernel's int8 activations come in two
+# planes (the second rounds what the first lost): measured <= 1.0e-4 on every format, most of it from
+# h = silu(gate) * up, whose blocks have heavy tails. One plane alone is 1e-2; a wrong scale, min or bit
+# plane in a decoded block is of order 1.
+INT8_ATOL = 3e-4
+FLOAT_ATOL = 1e-5
 
 HIDDEN, FF, NUM_EXPERTS = 512, 256, 6
 
@@ -80,56 +72,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def fake_quant(v: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, torch.Tensor]:
-    """v rounded the way the kernel quantizes activations for `qtype` weights (fp32, half to even),
-    and the int8 step of the elements within ROUNDING_MARGIN of a rounding boundary (0 elsewhere)."""
-    block = ACT_BLOCK.get(qtype)
-    if block is None:
-        return v, torch.zeros_like(v)
-    b = v.numpy().reshape(-1, block)
-    amax = np.abs(b).max(axis=1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    scaled = b * inv
-    step = np.broadcast_to(amax / np.float32(127), b.shape)
-    near_boundary = np.abs(scaled - np.floor(scaled) - 0.5) < ROUNDING_MARGIN
-    rounded = (np.clip(np.rint(scaled), -127, 127) * step).astype(np.float32)
-    slack = (step * near_boundary).astype(np.float32)
-    return torch.from_numpy(rounded.reshape(v.shape)), torch.from_numpy(slack.reshape(v.shape))
-
-
-def dense(raw: torch.Tensor, qtype: QType) -> torch.Tensor:
-    return torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), qtype), dtype=np.float32))
-
-
-def emulated_reference(
-    x: torch.Tensor,
-    token_ids: torch.Tensor,
-    expert_ids: torch.Tensor,
-    weights: torch.Tensor,
-    w: ExpertWeights,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's result with its activation rounding in fp32, and per output element the most
-    that h elements on a rounding boundary can move it."""
-    out, slack = torch.zeros_like(x), torch.zeros_like(x)
-    experts = {
-        e: (dense(w.gate[e], w.gate_type), dense(w.up[e], w.up_type), dense(w.down[e], w.down_type))
-        for e in set(expert_ids.tolist())
-    }
-    for t, e, weight in zip(token_ids.tolist(), expert_ids.tolist(), weights.tolist(), strict=True):
-        gate, up, down = experts[e]
-        # x is rounded bit-identically (same fp32 operations): only h can land either side
-        h = F.silu(gate @ fake_quant(x[t], w.gate_type)[0]) * (up @ fake_quant(x[t], w.up_type)[0])
-        hq, h_slack = fake_quant(h, w.down_type)
-        out[t] += weight * (down @ hq)
-        slack[t] += abs(weight) * (down.abs() @ h_slack)
-    return out, slack
-
-
-def assert_matches_emulation(out: torch.Tensor, emulated: tuple[torch.Tensor, torch.Tensor]) -> None:
-    expected, slack = emulated
-    bound = slack + EMULATED_ATOL * float(expected.abs().max())
-    assert bool(((out - expected).abs() <= bound).all()), float(((out - expected).abs() - bound).max())
+def assert_close(out: torch.Tensor, reference: torch.Tensor, types: tuple[QType, ...]) -> None:
+    atol = FLOAT_ATOL if set(types) <= FLOAT_TYPES else INT8_ATOL
+    error = float((out - reference).abs().max() / reference.abs().max())
+    assert error <= atol, f"max error {error:.2e} of max |output| (bound {atol:.0e})"
 
 
 @pytest.mark.parametrize("flags", list(VARIANTS), ids=["native", "avx2", "scalar"])
@@ -139,19 +85,17 @@ def test_native_matches_reference(types: tuple[QType, QType, QType], flags: tupl
     w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=1)
     x, token_ids, expert_ids, weights = routing(seed=2)
     out = lib.ffn(x, token_ids, expert_ids, weights, w)
-    reference = expert_ffn_reference(x, token_ids, expert_ids, weights, w)
-    is_float = all(t not in ACT_BLOCK for t in types)
-    assert rel_err(out, reference) < (FLOAT_RTOL if is_float else ACT_QUANT_RTOL)
-    assert_matches_emulation(out, emulated_reference(x, token_ids, expert_ids, weights, w))
+    assert_close(out, expert_ffn_reference(x, token_ids, expert_ids, weights, w), types)
     assert torch.count_nonzero(out[2]) == 0  # the token without pairs
 
 
 @settings(max_examples=10, deadline=None)
-@example(num_tokens=6, num_pairs=2, seed=31)  # a spike in h: one boundary flip moves the output 3e-3
+@example(num_tokens=6, num_pairs=2, seed=31)  # a spike in h: one block of h far above the others
 @given(num_tokens=st.integers(1, 12), num_pairs=st.integers(0, 40), seed=st.integers(0, 2**16))
-def test_any_routing_matches_emulated_reference(num_tokens: int, num_pairs: int, seed: int) -> None:
+def test_any_routing_matches_reference(num_tokens: int, num_pairs: int, seed: int) -> None:
     lib = kernel(())
-    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, QType.Q4_K, QType.Q6_K, seed=3)
+    types = (QType.Q4_K, QType.Q4_K, QType.Q6_K)
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=3)
     rng = np.random.default_rng(seed)
     x = torch.from_numpy(rng.standard_normal((num_tokens, HIDDEN), dtype=np.float32))
     token_ids = torch.from_numpy(rng.integers(0, num_tokens, num_pairs))
@@ -159,7 +103,11 @@ def test_any_routing_matches_emulated_reference(num_tokens: int, num_pairs: int,
     weights = torch.from_numpy(rng.uniform(0.0, 1.0, num_pairs).astype(np.float32))
     out = lib.ffn(x, token_ids, expert_ids, weights, w)
     assert out.shape == x.shape
-    assert_matches_emulation(out, emulated_reference(x, token_ids, expert_ids, weights, w))
+    reference = expert_ffn_reference(x, token_ids, expert_ids, weights, w)
+    if num_pairs:
+        assert_close(out, reference, types)
+    else:
+        assert torch.count_nonzero(out) == 0
 
 
 def test_thread_count_does_not_change_the_result() -> None:
@@ -209,7 +157,7 @@ def test_torch_path_matches_reference(types: tuple[QType, QType, QType]) -> None
     w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=7)
     x, token_ids, expert_ids, weights = routing(seed=8)
     out = expert_ffn_tiled(x, token_ids, expert_ids, weights, w)
-    assert rel_err(out, expert_ffn_reference(x, token_ids, expert_ids, weights, w)) < FLOAT_RTOL
+    assert rel_err(out, expert_ffn_reference(x, token_ids, expert_ids, weights, w)) < FLOAT_ATOL
 
 
 def test_without_compiler_torch_path_is_used_and_warned_once(
@@ -226,8 +174,8 @@ def test_without_compiler_torch_path_is_used_and_warned_once(
     assert "/nonexistent" in caplog.records[0].getMessage()
     assert list(tmp_path.glob("*.so")) == []
     reference = expert_ffn_reference(x, token_ids, expert_ids, weights, w)
-    # fp32 accuracy: int8 activations of the native path would be ~1e-2 off
-    assert all(rel_err(out, reference) < FLOAT_RTOL for out in outs)
+    # fp32 accuracy: the native path's int8 activations would be ~1e-4 off
+    assert all(rel_err(out, reference) < FLOAT_ATOL for out in outs)
 
 
 def test_builds_once_per_source_and_flags(native_cache: Path) -> None:

@@ -47,7 +47,7 @@ def assert_error(status: int, body: dict[str, Any], expected: int, param: str | 
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "n": 5}, "n"),
     ({"prompt": "hi", "max_tokens": 201}, "max_tokens"),
-    ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "echo": "yes"}, "echo"),
     ({"prompt": "hi", "user": 5}, "user"),
     ({"prompt": "hi", "seed": -1}, "seed"),
     ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "include_usage"),

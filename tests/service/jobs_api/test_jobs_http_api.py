@@ -123,6 +123,8 @@ async def test_list_pages_newest_first_and_filters_by_status(http: aiohttp.Clien
     (greedy(4, prompt="x", n=2), 400, "n"),
     (greedy(4, prompt=["a", "b"]), 400, "n"),
     (greedy(4, prompt="x", logprobs=2), 400, "logprobs"),
+    (greedy(4, prompt="x", prompt_logprobs=2), 400, "logprobs"),
+    (greedy(4, prompt="x", echo=True), 400, "echo"),
     (greedy(201, prompt="x"), 400, "max_tokens"),
     (greedy(4, messages=[]), 400, "messages"),
     ({**greedy(4, prompt="x"), "model": "gpt-4"}, 404, "model"),

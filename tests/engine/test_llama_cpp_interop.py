@@ -1,0 +1,161 @@
+"""Interop with llama.cpp itself, through its CPU tools (skipped where they are absent): tiny Mixtral
+(llama with experts, SentencePiece vocabulary) and Qwen3-MoE (byte-level BPE) files written by our
+writer, quantized by `llama-quantize` as users get them, loaded by both.
+
+The reference is llama.cpp on the file's F32 dequantization (`llama-quantize --allow-requantize X F32`)
+with its KV cache in F32 and flash attention off: there both sides compute float32 math (llama.cpp's
+kernels on quantized weights round activations to 8 bits; its default F16 KV cache and CPU flash
+attention round K and V, which moves tiny random models' routers by up to 0.5 nats). Its
+log-probabilities come from `llama-perplexity --kl-divergence-base`: the second half of each chunk of a
+text, teacher-forced. Ours come from the quantized file through generation's own path (a
+prefill, then one decode step per token) for the first chunk and through `LLMEngine.score` for the
+next."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+
+from engine.config import EngineConfig, ModelConfig
+from engine.gguf.corpus import CORPUS
+from engine.gguf.embedded_vocab import build_embedded_vocab
+from engine.llm_engine import LLMEngine
+from engine.synth import PRESETS, with_overrides, write_synth
+from ops.quants import QType
+from service.commands.logits_file import BaseFile, open_base
+from tests.engine_runs import teacher_forced
+from tests.hf_models import tiny_model, write_hf_gguf
+from tests.spm_vocab import spm_vocab
+
+CTX, CHUNKS = 64, 2
+# nats per token against llama.cpp on the F32 dequantization; measured <= 4.2e-4 over the whole vocabulary
+# (the CPU kernel's two int8 activation planes), 0.05-0.5 with one plane
+QUANT_TOLERANCE = 0.02
+F32_TOLERANCE = 1e-3  # the same F32 file on both sides: float32 sums in other orders and the base file's
+# 16-bit log-probabilities (steps of 16/65535 nats); measured <= 9.1e-5
+FLOAT32 = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")  # llama.cpp's KV cache and attention in float32
+SHAPE = dict(hidden_size=256, head_dim=64, num_hidden_layers=4)  # K-quants need 256-column rows
+MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # 128-column expert FFNs: llama.cpp's Q4_K_M falls back to Q5_0 and Q8_0 for their ffn_down
+    "mixtral": ("mixtral", spm_vocab(), dict(intermediate_size=128)),
+    "qwen3moe": ("qwen3_moe", build_embedded_vocab(), dict(moe_intermediate_size=128, mlp_only_layers=[])),
+}
+
+
+def tool(llama_cpp: Path, name: str, *args: str | Path) -> str:
+    done = subprocess.run([llama_cpp / name, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{name} failed:\n{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
+
+
+def quantize(llama_cpp: Path, src: Path, qtype: str) -> Path:
+    dst = src.with_name(f"{src.stem}-{qtype}.gguf")
+    if not dst.exists():
+        tool(llama_cpp, "llama-quantize", "--allow-requantize", src, dst, qtype)
+    return dst
+
+
+def llama_cpp_base(llama_cpp: Path, model: Path, text: Path) -> BaseFile:
+    """llama.cpp's log-probabilities of the text's chunks, read back from its KL-divergence base file."""
+    path = model.with_suffix(".kld")
+    tool(llama_cpp, "llama-perplexity", "-m", model, "-f", text, "-c", CTX, "--chunks", CHUNKS, "-t", 2,
+         *FLOAT32, "--kl-divergence-base", path)
+    return open_base(path)
+
+
+def our_logprobs(model: Path, base: BaseFile) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(ours, llama.cpp's, the tokens predicted) per chunk: the first decoded step by step, the rest scored."""
+    engine = LLMEngine(EngineConfig(ModelConfig(str(model), device="cpu", max_context=CTX)))
+    first = CTX // 2
+    for i in range(base.num_chunks):
+        ids = base.tokens[i].tolist()
+        if engine.tokenizer.spec.add_bos:  # llama.cpp scores each chunk with a BOS first
+            ids[0] = engine.tokenizer.bos_id
+        rows = teacher_forced(engine, ids[:-1], first + 1) if i == 0 else engine.score(ids, first)
+        yield rows.numpy(), base.chunk(i), base.tokens[i][first + 1:]
+    engine.close()
+
+
+def disagreements(model: Path, base: BaseFile, tolerance: float) -> list[str]:
+    """Tokens whose log-probability differs by more than `tolerance`, or whose most likely token differs
+    where llama.cpp's top two are further apart than `tolerance`."""
+    found = []
+    for chunk, (ours, theirs, targets) in enumerate(our_logprobs(model, base)):
+        assert ours.shape == theirs.shape
+        for row, target in enumerate(targets):
+            delta = abs(float(ours[row, target] - theirs[row, target]))
+            top2 = np.sort(theirs[row])[-2:]
+            argmax_differs = ours[row].argmax() != theirs[row].argmax() and top2[1] - top2[0] > tolerance
+            if delta > tolerance or argmax_differs:
+                found.append(f"chunk {chunk} row {row}: |Δ log p| {delta:.4f}, argmax differs: {argmax_differs}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("interop") / "text.txt"
+    path.write_text("\n\n".join(CORPUS), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def f32_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model_type, vocab, extra = MODELS[request.param]
+    hf = tiny_model(model_type, seed=1, vocab_size=len(vocab["tokenizer.ggml.tokens"]), **SHAPE, **extra)
+    return write_hf_gguf(hf, tmp_path_factory.mktemp("interop") / f"{request.param}.gguf", metadata=vocab)
+
+
+def test_llama_cpp_runs_our_writers_files(llama_cpp: Path, f32_model: Path, text: Path) -> None:
+    assert disagreements(f32_model, llama_cpp_base(llama_cpp, f32_model, text), F32_TOLERANCE) == []
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0"])
+def test_quantized_file_agrees_with_llama_cpp_on_its_f32_dequantization(llama_cpp: Path, f32_model: Path,
+                                                                        text: Path, qtype: str) -> None:
+    quantized = quantize(llama_cpp, f32_model, qtype)
+    types = {t.tensor_type for t in GGUFReader(quantized).tensors if "exps" in t.name}
+    if qtype == "Q4_K_M":
+        assert {QType.Q4_K, QType.Q5_0, QType.Q8_0} <= types  # the mixed expert layout of the 128-column FFNs
+    base = llama_cpp_base(llama_cpp, quantize(llama_cpp, quantized, "F32"), text)
+    assert disagreements(quantized, base, QUANT_TOLERANCE) == []
+
+
+def llama_cpp_ppl(llama_cpp: Path, model: Path, text: Path) -> tuple[float, str]:
+    out = tool(llama_cpp, "llama-perplexity", "-m", model, "-f", text, "-c", CTX, "--chunks", CHUNKS, "-t", 2,
+               *FLOAT32, "-lv", 4)
+    match = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
+    assert match, out[-2000:]
+    return float(match.group(1)), out
+
+
+@pytest.mark.parametrize("vocab", ["embedded-bpe", "spm"])
+def test_llama_cpp_loads_synth_files(llama_cpp: Path, text: Path, tmp_path: Path, vocab: str) -> None:
+    preset = with_overrides(PRESETS["tiny"]) if vocab == "embedded-bpe" else \
+        with_overrides(PRESETS["mixtral-8x7b"], num_layers=2, hidden=256, num_heads=4, num_kv_heads=2,
+                       head_dim=64, num_experts=4, expert_ff=256, vocab_size=0, context_length=512)
+    path = tmp_path / "synth.gguf"
+    write_synth(path, preset, build_embedded_vocab() if vocab == "embedded-bpe" else spm_vocab(), seed=2)
+    _, log = llama_cpp_ppl(llama_cpp, path, text)
+    # general.file_type, from the type holding the most bytes: Q8_0 embeddings, or Q4_K experts beside a
+    # small vocabulary (llama.cpp would guess "all F32" from the count of F32 norms)
+    expected = "Q8_0" if vocab == "embedded-bpe" else "Q4_K - Medium"
+    assert re.search(r"file type += (.*)\n", log).group(1) == expected  # type: ignore[union-attr]
+    # llama.cpp on the file's F32 dequantization and moecache on the file itself
+    theirs, _ = llama_cpp_ppl(llama_cpp, quantize(llama_cpp, path, "F32"), text)
+    engine = LLMEngine(EngineConfig(ModelConfig(str(path), device="cpu", max_context=CTX)))
+    tokens = engine.tokenizer.encode(text.read_text(encoding="utf-8"))
+    nll = []
+    for i in range(CHUNKS):
+        ids = tokens[i * CTX:(i + 1) * CTX]
+        scored = ids if not engine.tokenizer.spec.add_bos else [engine.tokenizer.bos_id, *ids[1:]]
+        rows = engine.score(scored, CTX // 2)
+        nll += (-rows[torch.arange(len(rows)), torch.tensor(ids[CTX // 2 + 1:])]).tolist()
+    assert float(np.exp(np.mean(nll))) == pytest.approx(theirs, rel=1e-3)

@@ -1,0 +1,35 @@
+"""Random-weight models as llama.cpp reads them: the file type named, SentencePiece scores padded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gguf import GGUFReader, LlamaFileType
+
+from engine.gguf.reader import GGUFFile
+from engine.gguf.tokenizer import Tokenizer
+from engine.gguf.writer import TensorSpec, file_type
+from engine.synth import PRESETS, with_overrides, write_synth
+from ops.quants import QType
+from tests.spm_vocab import spm_vocab
+
+
+def test_file_type_is_the_type_holding_the_most_bytes() -> None:
+    def spec(qtype: QType, rows: int, cols: int = 256) -> TensorSpec:
+        return TensorSpec("t", (rows, cols), qtype, lambda: b"")
+
+    # many small F32 norms do not make a model "all F32" (what llama.cpp guesses from tensor counts)
+    specs = [spec(QType.F32, 1, 64)] * 20 + [spec(QType.Q4_K, 64), spec(QType.Q8_0, 16)]
+    assert file_type(specs) == LlamaFileType.MOSTLY_Q4_K_M
+
+
+def test_spm_synth_model_pads_scores_and_names_its_file_type(tmp_path: Path) -> None:
+    preset = with_overrides(PRESETS["mixtral-8x7b"], num_layers=1, hidden=256, num_heads=4, num_kv_heads=2,
+                            head_dim=64, num_experts=8, top_k=2, expert_ff=256, vocab_size=512)
+    path = tmp_path / "spm.gguf"
+    write_synth(path, preset, spm_vocab(), seed=1)
+    fields = GGUFReader(path).fields
+    assert fields["general.file_type"].contents() == LlamaFileType.MOSTLY_Q4_K_M
+    assert len(fields["tokenizer.ggml.scores"].contents()) == 512
+    padded, plain = Tokenizer.from_metadata(GGUFFile(path).metadata), Tokenizer.from_metadata(spm_vocab())
+    assert padded.encode("The capital of France") == plain.encode("The capital of France")
