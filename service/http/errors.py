@@ -1,63 +1,24 @@
-"""The OpenAI error object, `{"error": {"message", "type", "param", "code"}}`, for every failure."""
+"""Every failure of the HTTP API as OpenAI's error object, answered with its HTTP status (an event stream
+that has started ends with an `error` event instead: `sse.py`)."""
 
 from __future__ import annotations
 
-import json
-import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestPayloadError
 
-from engine.async_engine import EngineUnavailableError
-from engine.types import RequestError
+from service.openai.body import decode_object
+from service.openai.errors import ApiError, from_exception
 
-log = logging.getLogger(__name__)
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-}
+BODY_UNREADABLE = "the request body could not be read: a Content-Encoding it does not have, or cut short"
 
 
-class ApiError(Exception):
-    """An error answered with an HTTP status and OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict[str, Any]:
-        kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param, code)
-
-
-def from_exception(error: Exception) -> ApiError:
-    """The API error for an exception raised while handling a request."""
-    if isinstance(error, ApiError):
-        return error
-    if isinstance(error, RequestError):
-        return ApiError(400, str(error), error.param, error.code)
-    if isinstance(error, EngineUnavailableError):
-        return ApiError(503, str(error), code="service_unavailable")
-    if isinstance(error, web.HTTPException):
-        return _from_http(error)
-    log.error("unexpected error", exc_info=error)
-    return ApiError(500, "internal server error", code="internal_error")
+def error_response(error: ApiError) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return web.json_response(error.body(), status=error.status, headers=headers)
 
 
 def _from_http(error: web.HTTPException) -> ApiError:
@@ -71,23 +32,26 @@ def _from_http(error: web.HTTPException) -> ApiError:
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Outermost: whatever a handler raises becomes an error object, never a crash page."""
+    is_unreadable = False
     try:
         return await handler(request)
     except web.HTTPException as error:
         if error.status < 400:
             raise
-        return from_exception(error).response()
+        api_error = _from_http(error)
+    except (RequestPayloadError, HttpProcessingError):
+        api_error, is_unreadable = ApiError(400, BODY_UNREADABLE, code="invalid_body"), True
     except Exception as error:
-        return from_exception(error).response()
+        # NOTE: a response that has started cannot be followed by another; event streams end themselves
+        # (`EventStream.open`), anything else is aiohttp's to cut off.
+        if request.writer.output_size > 0:
+            raise
+        api_error = from_exception(error)
+    if is_unreadable:
+        request.protocol.force_close()  # the rest of the body cannot be read past the error either
+    return error_response(api_error)
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object; 413 past the app's client_max_size, 400 for anything not an object."""
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise bad_request(f"the body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object")
-    return body
+    """The body as a JSON object within the bounds of `decode_object`; 413 past the app's client_max_size."""
+    return decode_object(await request.read())

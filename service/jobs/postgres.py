@@ -16,7 +16,6 @@ import psycopg
 from psycopg.rows import dict_row
 
 from service.jobs.db import Database, Dialect, Tx
-from service.jobs.sql import SqlJobStore
 
 DEFAULT_POOL_SIZE = 4
 CONNECT_TIMEOUT_S = 10
@@ -93,9 +92,3 @@ class PostgresDatabase(Database):
 
     def close(self) -> None:
         self._pool.close()
-
-
-class PostgresJobStore(SqlJobStore):
-    def __init__(self, url: str, pool_size: int = DEFAULT_POOL_SIZE) -> None:
-        """`url` is a libpq connection URL: postgresql://user:password@host:port/dbname."""
-        super().__init__(PostgresDatabase(url, pool_size))
