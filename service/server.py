@@ -86,8 +86,9 @@ class Server:
         self.jobs = Jobs(options.jobs, self.state) if options.jobs is not None else None
         grpc_port = options.grpc_port
         self.grpc = GrpcServer(self.state, self.jobs, options.host, grpc_port) if grpc_port is not None else None
+        # NOTE: bodies are decoded by the API (`http/errors.py`), so a bad Content-Encoding is its 4xx
         self.runner = web.AppRunner(build_app(self.state, self.jobs), handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=HANDLER_GRACE_S)
+                                    shutdown_timeout=HANDLER_GRACE_S, auto_decompress=False)
         self._site: web.TCPSite | None = None
         db_url = options.jobs.db_url if options.jobs is not None else None
         self._redact = logs.Redact(logs.secrets_of(options.api_key, db_url))

@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from service.http.errors import read_json
+from service.http.errors import content_coding, read_json
 from service.http.jobs import page_limit, page_object
 from service.http.state import jobs_of
 from service.jobs.records import Batch, FileObject
@@ -53,6 +53,8 @@ async def upload_file(request: web.Request) -> web.Response:
 async def read_upload(request: web.Request, max_bytes: int) -> dict[str, Any]:
     if not request.content_type.startswith("multipart/"):
         raise bad_request("upload the file as multipart/form-data")
+    if content_coding(request) != "identity":
+        raise ApiError(415, "send the multipart form without a Content-Encoding", code="unsupported_content_encoding")
     try:
         return await read_parts(request, max_bytes)
     except (ValueError, AssertionError) as error:  # what aiohttp's multipart reader raises on a malformed form
