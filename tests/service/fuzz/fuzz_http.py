@@ -15,6 +15,7 @@ import aiohttp
 from yarl import URL
 
 STREAM_READ_S = 15.0  # a job's event stream may wait for the job; past this the client leaves
+RAW_READ_S = 5.0
 EXCEPTION_NAME = re.compile(r"\b[A-Z]\w*(Error|Exception|Warning)\b|Traceback|<class ")
 SSE_FIELDS = ("data:", "event:", "id:", "retry:", ":")
 
@@ -98,7 +99,7 @@ async def _send_held(session: aiohttp.ClientSession, base_url: str, case: HttpCa
     try:
         statuses = [r.status for r in responses]
         outcome = Outcome(case, status=max(statuses), content_type=responses[-1].content_type,
-                          body=await responses[-1].read() if responses[-1].status != 200 else b"")
+                          body=await responses[-1].read() if responses[-1].status != 200 else b"", has_left=True)
     finally:
         for response in responses:
             response.close()
@@ -214,20 +215,34 @@ def _at(body: bytes, path: str) -> Any:
     return value
 
 
-async def send_raw(host: str, port: int, data: bytes) -> Outcome:
-    """Bytes that are not a well-formed HTTP request: the server answers (a 4xx) and stays up."""
-    case = HttpCase("RAW", "", body=data, name="raw")
-    outcome = Outcome(case)
+async def send_raw(host: str, port: int, data: bytes, name: str = "raw") -> Outcome:
+    """Bytes as sent, read back as received (until the server closes, or RAW_READ_S): one answer, not a 5xx,
+    and never a second status line inside the first response."""
+    outcome = Outcome(HttpCase("RAW", "", body=data, name=name))
     reader, writer = await asyncio.open_connection(host, port)
     try:
         writer.write(data)
         await writer.drain()
-        answer = await asyncio.wait_for(reader.read(65536), 10)
+        outcome.body = await _read_all(reader)
     finally:
         writer.close()
-    outcome.body = answer
-    status = re.match(rb"HTTP/1\.[01] (\d{3})", answer)
-    outcome.status = int(status.group(1)) if status else 0
-    if status is None or outcome.status >= 500:
-        outcome.problems.append("no 4xx answer to a malformed request")
+    statuses = re.findall(rb"^HTTP/1\.[01] (\d{3})", outcome.body, re.M)
+    outcome.status = int(statuses[0]) if statuses else 0
+    if not statuses or outcome.status >= 500:
+        outcome.problems.append("no answer, or a 5xx")
+    if len(statuses) > 1:
+        outcome.problems.append("a second HTTP response inside the first")
     return outcome
+
+
+async def _read_all(reader: asyncio.StreamReader) -> bytes:
+    answer, deadline = bytearray(), time.monotonic() + RAW_READ_S
+    while time.monotonic() < deadline:
+        try:
+            chunk = await asyncio.wait_for(reader.read(65536), max(0.01, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            break
+        if not chunk:
+            break
+        answer += chunk
+    return bytes(answer)

@@ -134,9 +134,11 @@ def test_the_seed_corpus_gets_the_answers_it_must(loop: asyncio.AbstractEventLoo
                                for case in http_seeds]
     for line in corpus_lines("http.jsonl", fuzz_server.ids):
         if "raw" in line:
-            outcomes.append(loop.run_until_complete(send_raw("127.0.0.1", fuzz_server.process.port,
-                                                             line["raw"].encode("latin-1"))))
-    failures = [o.describe() for o in outcomes if o.problems or check_expect(o)]
+            raw = line["raw"].encode("latin-1")
+            outcomes.append(loop.run_until_complete(send_raw("127.0.0.1", fuzz_server.process.port, raw, line["name"])))
+    for outcome in outcomes:
+        outcome.problems += check_expect(outcome)
+    failures = [o.describe() for o in outcomes if o.problems]
     assert not failures, "\n".join(failures)
 
 
