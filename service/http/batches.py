@@ -11,6 +11,7 @@ from aiohttp import BodyPartReader, web
 from service.http.errors import content_coding, read_json
 from service.http.jobs import page_limit, page_object
 from service.http.state import jobs_of
+from service.jobs.api import check_cursor, is_id
 from service.jobs.records import Batch, FileObject
 from service.jobs.store import window_seconds
 from service.openai.body import Body
@@ -75,7 +76,7 @@ async def read_parts(request: web.Request, max_bytes: int) -> dict[str, Any]:
 
 def filename_of(part: BodyPartReader) -> str:
     """The part's file name as stored: valid Unicode, and short."""
-    return printable(part.filename or "upload.jsonl")[:MAX_FILENAME_CHARS]
+    return printable(part.filename or "upload.jsonl").replace("\x00", "")[:MAX_FILENAME_CHARS] or "upload.jsonl"
 
 
 async def read_part(part: BodyPartReader, max_bytes: int) -> bytes:
@@ -87,8 +88,22 @@ async def read_part(part: BodyPartReader, max_bytes: int) -> bytes:
     return bytes(data)
 
 
-async def get_file(request: web.Request) -> web.Response:
+def file_id_of(request: web.Request) -> str:
     file_id = request.match_info["file_id"]
+    if not is_id(file_id):
+        raise file_not_found(file_id)
+    return file_id
+
+
+def batch_id_of(request: web.Request) -> str:
+    batch_id = request.match_info["batch_id"]
+    if not is_id(batch_id):
+        raise batch_not_found(batch_id)
+    return batch_id
+
+
+async def get_file(request: web.Request) -> web.Response:
+    file_id = file_id_of(request)
     file = await asyncio.to_thread(jobs_of(request).store.get_file, file_id)
     if file is None:
         raise file_not_found(file_id)
@@ -96,7 +111,7 @@ async def get_file(request: web.Request) -> web.Response:
 
 
 async def file_content(request: web.Request) -> web.Response:
-    file_id = request.match_info["file_id"]
+    file_id = file_id_of(request)
     data = await asyncio.to_thread(jobs_of(request).store.file_content, file_id)
     if data is None:
         raise file_not_found(file_id)
@@ -105,13 +120,15 @@ async def file_content(request: web.Request) -> web.Response:
 
 async def list_files(request: web.Request) -> web.Response:
     limit = page_limit(request)
-    files = await asyncio.to_thread(jobs_of(request).store.list_files, purpose=request.query.get("purpose"),
-                                    limit=limit + 1, after=request.query.get("after"))
+    purpose, after = request.query.get("purpose"), check_cursor(request.query.get("after"))
+    if purpose is not None and not is_id(purpose):
+        raise bad_request(f"purpose must be a name like 'batch' (got {purpose[:40]!r})", "purpose")
+    files = await asyncio.to_thread(jobs_of(request).store.list_files, purpose=purpose, limit=limit + 1, after=after)
     return web.json_response(page_object([file_object(f) for f in files[:limit]], len(files) > limit))
 
 
 async def delete_file(request: web.Request) -> web.Response:
-    file_id = request.match_info["file_id"]
+    file_id = file_id_of(request)
     if not await asyncio.to_thread(jobs_of(request).store.delete_file, file_id):
         raise file_not_found(file_id)
     return web.json_response({"id": file_id, "object": "file", "deleted": True})
@@ -125,7 +142,8 @@ async def create_batch(request: web.Request) -> web.Response:
     if endpoint not in ENDPOINT_KINDS:
         raise bad_request(f"endpoint must be one of {', '.join(ENDPOINT_KINDS)} (got {str(endpoint)[:100]!r})",
                           "endpoint")
-    file = None if input_file_id is None else await asyncio.to_thread(jobs.store.get_file, input_file_id)
+    is_known = input_file_id is not None and is_id(input_file_id)
+    file = await asyncio.to_thread(jobs.store.get_file, input_file_id) if is_known else None
     if input_file_id is None or file is None:
         raise ApiError(404, f"no input file {str(input_file_id)[:100]!r}", "input_file_id", "not_found")
     if file.purpose != "batch":
@@ -154,7 +172,7 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
 
 
 async def get_batch(request: web.Request) -> web.Response:
-    batch_id = request.match_info["batch_id"]
+    batch_id = batch_id_of(request)
     batch = await asyncio.to_thread(jobs_of(request).store.get_batch, batch_id)
     if batch is None:
         raise batch_not_found(batch_id)
@@ -166,7 +184,7 @@ def batch_not_found(batch_id: str) -> ApiError:
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    batch_id = request.match_info["batch_id"]
+    batch_id = batch_id_of(request)
     batch = await jobs_of(request).cancel_batch(batch_id)
     if batch is None:
         raise batch_not_found(batch_id)
@@ -176,7 +194,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
 async def list_batches(request: web.Request) -> web.Response:
     limit = page_limit(request)
     batches = await asyncio.to_thread(jobs_of(request).store.list_batches, limit=limit + 1,
-                                      after=request.query.get("after"))
+                                      after=check_cursor(request.query.get("after")))
     return web.json_response(page_object([batch_object(b) for b in batches[:limit]], len(batches) > limit))
 
 

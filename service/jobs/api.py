@@ -3,6 +3,7 @@ endpoint of its kind checks it, paging and resuming arguments, and the JSON form
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from service.jobs.records import JOB_STATUSES, Job, JobKind
@@ -13,6 +14,9 @@ from service.openai.requests import Generation, ServedModel, read_generation
 MAX_PAGE = 100
 DEFAULT_PAGE = 20
 MAX_SEQ = INT64_MAX  # chunk numbers are 64-bit signed integers in the store
+# Every id the store makes (job_<hex>, file-<hex>, batch_<hex>) matches; what does not names nothing, and
+# is never sent to the database (PostgreSQL text cannot even hold a NUL).
+ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def check_job(kind: JobKind, body: dict[str, Any], model: ServedModel) -> Generation:
@@ -35,11 +39,23 @@ def _runnable_as_job(generation: Generation) -> Generation:
     return generation
 
 
+def is_id(text: str) -> bool:
+    return ID.fullmatch(text) is not None
+
+
+def check_cursor(after: str | None, name: str = "after") -> str | None:
+    """A page's `after`: the id of the last item of the previous page."""
+    if after is not None and not is_id(after):
+        raise bad_request(f"{name} must be the id of the last item of a page (got {after[:40]!r})", name)
+    return after
+
+
 def not_found(job_id: str) -> ApiError:
     return ApiError(404, f"no job {job_id[:100]!r}", "id", "not_found")
 
 
-def check_page(limit: int, status: str | None) -> None:
+def check_page(limit: int, after: str | None, status: str | None) -> None:
+    check_cursor(after)
     if not 1 <= limit <= MAX_PAGE:
         raise bad_request(f"limit must be in [1, {MAX_PAGE}] (got {limit})", "limit")
     if status is not None and status not in JOB_STATUSES:

@@ -16,6 +16,7 @@ from service.openai.errors import ApiError, from_exception
 from service.openai.kinds import ENDPOINT_KINDS
 
 JsonObject = dict[str, Any]
+MAX_CUSTOM_ID_CHARS = 512
 Validate = Callable[[JobKind, JsonObject], None]  # raises ApiError/RequestError as the endpoint would
 
 
@@ -52,8 +53,9 @@ def parse_input(data: bytes, endpoint: str, batch_id: str, validate: Validate) -
 def parse_line(raw: bytes, endpoint: str, batch_id: str, seen: set[str], validate: Validate) -> NewJob:
     line = _json_object(raw)
     custom_id = line.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise LineError("invalid_custom_id", "custom_id must be a non-empty string", "custom_id")
+    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS or "\x00" in custom_id:
+        raise LineError("invalid_custom_id", f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters "
+                        "without NUL", "custom_id")
     if custom_id in seen:
         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears more than once", "custom_id")
     seen.add(custom_id)

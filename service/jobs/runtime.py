@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.jobs.api import check_after, check_job, check_page, not_found
+from service.jobs.api import check_after, check_job, check_page, is_id, not_found
 from service.jobs.batches import BatchRunner
 from service.jobs.records import Batch, Job, JobEvent, JobKind, QueueFull
 from service.jobs.run import WorkerOptions
@@ -132,12 +132,16 @@ class Jobs:
         return job
 
     async def get(self, job_id: str) -> Job:
+        if not is_id(job_id):
+            raise not_found(job_id)
         job = await asyncio.to_thread(self.store.get, job_id)
         if job is None:
             raise not_found(job_id)
         return job
 
     async def cancel(self, job_id: str) -> Job:
+        if not is_id(job_id):
+            raise not_found(job_id)
         job = await asyncio.to_thread(self.store.cancel, job_id)
         if job is None:
             raise not_found(job_id)
@@ -147,7 +151,7 @@ class Jobs:
 
     async def list(self, limit: int, after: str | None, status: str | None) -> tuple[list[Job], bool]:
         """One page, newest first, and whether more follow."""
-        check_page(limit, status)
+        check_page(limit, after, status)
         jobs = await asyncio.to_thread(self.store.list, limit=limit + 1, after=after, status=status)
         return jobs[:limit], len(jobs) > limit
 

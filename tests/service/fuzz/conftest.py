@@ -1,5 +1,6 @@
-"""Fixtures of the fuzz test: `moecache serve` as a real process (HTTP, gRPC, a SQLite job store, an API
-key) over a tiny GGUF, the ids of a job, files and a batch made on it, and the seed corpus."""
+"""Fixtures of the fuzz test: `moecache serve` as a real process (HTTP, gRPC, an API key, a job store on
+SQLite and then on the session's real PostgreSQL) over a tiny GGUF, the ids of a job, files and a batch
+made on it, and the seed corpus."""
 
 from __future__ import annotations
 
@@ -25,16 +26,19 @@ sys.path.insert(0, str(FUZZ.parent))
 from fuzz_http import Expect, HttpCase  # noqa: E402
 from job_servers import ServeProcess  # noqa: E402
 from mutations import serialize  # noqa: E402
+from pg_server import PostgresServer, postgres_server  # noqa: E402, F401  (fixture)
 
 API_KEY = "fuzz-s3cret-key"
 SERVER_ARGS = ("--api-key", API_KEY, "--max-tokens-limit", "32", "--job-concurrency", "2", "--max-queued-jobs", "64",
                "--job-lease", "5")
+BACKENDS = {"sqlite": 1.0, "postgresql": 0.35}  # job store -> its share of the mutations' budget
 
 
 @dataclass(frozen=True)
 class FuzzServer:
     process: ServeProcess
     ids: dict[str, str]  # job_id, file_id, bad_file_id, batch_id
+    share: float  # of the requests and time the mutations may take
 
     @property
     def base_url(self) -> str:
@@ -52,16 +56,20 @@ def fuzz_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def fuzz_server(fuzz_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzServer]:
-    store = f"sqlite:///{tmp_path_factory.mktemp('fuzz-jobs') / 'jobs.db'}"
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def fuzz_server(request: pytest.FixtureRequest, fuzz_gguf: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzServer]:
+    pg: PostgresServer | None = request.getfixturevalue("postgres_server") if request.param == "postgresql" else None
+    store = pg.create_schema() if pg else f"sqlite:///{tmp_path_factory.mktemp('fuzz-jobs') / 'jobs.db'}"
     process = ServeProcess(fuzz_gguf, store, *SERVER_ARGS).wait_ready(120)
     try:
         ids = asyncio.run(make_ids(f"http://127.0.0.1:{process.port}"))
-        yield FuzzServer(process, ids)
+        yield FuzzServer(process, ids, BACKENDS[request.param])
     finally:
         process.proc.send_signal(signal.SIGTERM)
         process.proc.wait(60)
+        if pg:
+            pg.drop_schema(store)
 
 
 async def make_ids(base_url: str) -> dict[str, str]:

@@ -8,8 +8,9 @@ Every answer must pass the oracle: no 5xx, an error is OpenAI's JSON error objec
 class, an event stream ends with its last event, a gRPC status is never UNKNOWN or INTERNAL. At the end
 no request may still run, and the server's log holds no error and not the API key.
 
-MOECACHE_FUZZ_REQUESTS (default 3000) and MOECACHE_FUZZ_SECONDS (default 75) bound the mutations;
-MOECACHE_FUZZ_SEED explores other mutations than the fixed default ones.
+It runs against a server whose job store is SQLite, then one on PostgreSQL (with a third of the budget).
+MOECACHE_FUZZ_REQUESTS (default 3000) and MOECACHE_FUZZ_SECONDS (default 75) bound the mutations of one
+server; MOECACHE_FUZZ_SEED explores other mutations than the fixed default ones.
 """
 
 from __future__ import annotations
@@ -152,11 +153,12 @@ def test_the_grpc_seed_corpus_gets_the_answers_it_must(loop: asyncio.AbstractEve
 
 def test_mutated_http_requests_pass_the_oracle(loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession,
                                                fuzz_server: FuzzServer, http_seeds: list[HttpCase]) -> None:
-    budget = Budget(SECONDS * (1 - GRPC_SHARE))
+    share = fuzz_server.share * (1 - GRPC_SHARE)
+    budget = Budget(SECONDS * share)
     seeds = [case for case in http_seeds if not case.hold]
     mutant = st.sampled_from(seeds).flatmap(lambda s: http_mutant(s, API_KEY, fuzz_server.ids))
 
-    @fuzz_settings(int(REQUESTS * (1 - GRPC_SHARE)))
+    @fuzz_settings(int(REQUESTS * share))
     @given(st.lists(mutant, min_size=BATCH, max_size=BATCH))
     def run(cases: list[HttpCase]) -> None:
         if budget.is_spent:
@@ -174,11 +176,13 @@ def test_mutated_http_requests_pass_the_oracle(loop: asyncio.AbstractEventLoop, 
 
 
 def test_mutated_grpc_calls_pass_the_oracle(loop: asyncio.AbstractEventLoop, channel: grpc.aio.Channel,
-                                            methods: Methods, grpc_seeds: list[GrpcCase]) -> None:
-    budget = Budget(SECONDS * GRPC_SHARE)
+                                            methods: Methods, grpc_seeds: list[GrpcCase],
+                                            fuzz_server: FuzzServer) -> None:
+    share = fuzz_server.share * GRPC_SHARE
+    budget = Budget(SECONDS * share)
     mutant = st.sampled_from(grpc_seeds).flatmap(lambda s: grpc_mutant(s, methods, API_KEY))
 
-    @fuzz_settings(int(REQUESTS * GRPC_SHARE))
+    @fuzz_settings(int(REQUESTS * share))
     @given(st.lists(mutant, min_size=BATCH, max_size=BATCH))
     def run(cases: list[GrpcCase]) -> None:
         if budget.is_spent:
