@@ -142,8 +142,8 @@ async def create_batch(request: web.Request) -> web.Response:
     if endpoint not in ENDPOINT_KINDS:
         raise bad_request(f"endpoint must be one of {', '.join(ENDPOINT_KINDS)} (got {str(endpoint)[:100]!r})",
                           "endpoint")
-    is_known = input_file_id is not None and is_id(input_file_id)
-    file = await asyncio.to_thread(jobs.store.get_file, input_file_id) if is_known else None
+    file_id = input_file_id or ""
+    file = await asyncio.to_thread(jobs.store.get_file, file_id) if is_id(file_id) else None
     if input_file_id is None or file is None:
         raise ApiError(404, f"no input file {str(input_file_id)[:100]!r}", "input_file_id", "not_found")
     if file.purpose != "batch":
@@ -153,7 +153,7 @@ async def create_batch(request: web.Request) -> web.Response:
     except ValueError as error:
         raise bad_request(str(error), "completion_window") from None
     metadata = check_metadata(body.raw("metadata"))
-    batch = await asyncio.to_thread(jobs.batches.create, input_file_id, endpoint, window, metadata)
+    batch = await asyncio.to_thread(jobs.batches.create, file_id, endpoint, window, metadata)
     jobs.wake_worker()
     return web.json_response(batch_object(batch))
 
