@@ -26,12 +26,12 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
-from conftest import API_KEY, FuzzServer, corpus_lines, http_case
 from fuzz_grpc import GrpcCase, GrpcOutcome, Methods, case_from_corpus
 from fuzz_grpc import call as grpc_call
 from fuzz_grpc import judge as grpc_judge
 from fuzz_grpc import mutated_case as grpc_mutant
 from fuzz_http import HttpCase, Outcome, check_expect, send, send_raw
+from fuzz_server import API_KEY, FuzzServer, corpus_lines, http_case
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from mutations import mutated_case as http_mutant
