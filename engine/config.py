@@ -1,5 +1,8 @@
 """One config tree of frozen dataclasses, built once at the CLI edge and validated on construction;
-each component receives only its slice."""
+each component receives only its slice.
+
+A field whose metadata names a `flag` is a command-line option (and a `MOECACHE_*` variable) of the
+commands that run an engine, with the field's default and the metadata's `help` (`service/options.py`)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from dataclasses import dataclass, field
 
 MISS_MODES = ("cpu", "stream", "hybrid")
 POLICIES = ("lru", "decay", "lfru", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -33,14 +37,19 @@ class MissMode:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str | None = None  # None: the embedded default model
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    max_context: int = 4096  # capped at the model's own context length
+    path: str | None = field(default=None, metadata={  # None: the embedded default model
+        "flag": ("-m", "--model"), "help": "GGUF file (first file of a split model); default: the embedded model"})
+    device: str = field(default="auto", metadata={  # auto: cuda when available, else cpu
+        "flag": "--device", "help": "cuda, cuda:N or cpu (default: cuda when available)"})
+    dtype: str = field(default="auto", metadata={  # auto: bfloat16 on cuda, float32 on cpu
+        "flag": "--dtype", "choices": DTYPES, "help": "weights and activations (auto: bfloat16 on cuda, float32 "
+        "on cpu)"})
+    max_context: int = field(default=4096, metadata={  # capped at the model's own context length
+        "flag": ("-c", "--ctx-size"), "help": "context length per sequence"})
     cuda_graphs: bool = True  # decode steps as CUDA graphs where no host sync is needed
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
         if self.max_context < 2:
             raise ValueError("max_context must be at least 2")
@@ -48,19 +57,34 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    policy: str = "lru"
-    miss_mode: str = "cpu"
-    budget_mib: int | None = None  # None: automatic (free device memory minus KV, workspace, headroom)
-    cpu_moe: bool = False  # every routed expert in host RAM
-    n_cpu_moe: int = 0  # the first N MoE layers' experts in host RAM
-    promote_per_step: int = 8  # uploads a step where misses do not land (cpu miss mode), decay and lfru
-    free_slots: int = 0  # offered slots a ring of the cache keeps for landing misses; 0: from recent misses
+    policy: str = field(default="lru", metadata={"flag": "--cache-policy", "choices": POLICIES})
+    miss_mode: str = field(default="cpu", metadata={
+        "flag": "--miss-mode", "choices": MISS_MODES,
+        "help": "where cache misses are computed: cpu, stream (device reads host memory) or hybrid"})
+    budget_mib: int | None = field(default=None, metadata={  # None: automatic
+        "flag": "--moe-cache-mib", "metavar": "MIB",
+        "help": "GPU expert cache budget (default: the free device memory after weights, KV cache and headroom)"})
+    cpu_moe: bool = field(default=False, metadata={  # every routed expert in host RAM
+        "flag": "--cpu-moe", "help": "keep every routed expert in host RAM"})
+    n_cpu_moe: int = field(default=0, metadata={  # the first N MoE layers' experts in host RAM
+        "flag": "--n-cpu-moe", "metavar": "N", "help": "routed experts of the first N MoE layers in host RAM"})
+    promote_per_step: int = field(default=8, metadata={
+        "flag": "--cache-promote-per-step", "metavar": "N",
+        "help": "uploads a step where misses do not land (cpu miss mode; decay and lfru)"})
+    free_slots: int = field(default=0, metadata={  # 0: from the ring's recent misses
+        "flag": "--cache-free-slots", "metavar": "N",
+        "help": "free slots each ring of the cache offers to landing misses (0: twice its recent misses)"})
     max_cached_batch: int = 32  # larger batches (prefill) stage experts instead of using the cache
-    headroom_mib: int = 1024
-    cpu_threads: int | None = None
-    profile_in: str | None = None
-    profile_out: str | None = None
-    record_trace: str | None = None
+    headroom_mib: int = field(default=1024, metadata={
+        "flag": "--cache-headroom-mib", "metavar": "MIB", "help": "device memory the automatic budget leaves free"})
+    cpu_threads: int | None = field(default=None, metadata={
+        "flag": "--cpu-threads", "metavar": "N", "help": "threads computing experts on the CPU (default: the cores)"})
+    profile_in: str | None = field(default=None, metadata={
+        "flag": "--cache-profile", "metavar": "FILE", "help": "warm-start the cache from a profile"})
+    profile_out: str | None = field(default=None, metadata={
+        "flag": "--cache-profile-out", "metavar": "FILE", "help": "save a profile of expert use"})
+    record_trace: str | None = field(default=None, metadata={
+        "flag": "--record-trace", "metavar": "FILE", "help": "record the routing of every step"})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -79,8 +103,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 32  # KV slots = sequences decoding at once
-    max_num_batched_tokens: int = 512  # tokens in one forward pass (decode tokens + prefill chunks)
+    max_num_seqs: int = field(default=32, metadata={  # KV slots = sequences decoding at once
+        "flag": "--max-num-seqs", "help": "sequences decoded together"})
+    max_num_batched_tokens: int = field(default=512, metadata={  # decode tokens + prefill chunks
+        "flag": "--max-batch-tokens", "help": "tokens in one forward pass"})
     max_model_len: int = 4096  # positions of one KV slot
     max_waiting: int = 256
 
@@ -96,4 +122,5 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    routing: str = "model"  # "model" | "trace:FILE" | "synthetic:qwen3" | "synthetic:mixtral" (benchmarks)
+    routing: str = field(default="model", metadata={  # benchmarks
+        "flag": "--routing", "hidden": True, "help": "model | trace:FILE | synthetic:qwen3 | synthetic:mixtral"})

@@ -17,8 +17,8 @@ import torch
 from engine.config import CacheConfig, EngineConfig
 from engine.detok import TextOutput
 from engine.embedded import embedded_model_path
-from engine.expert_cache.record import StepRecord
 from engine.expert_cache.cache import ExpertCache, build_expert_cache
+from engine.expert_cache.record import StepRecord
 from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
@@ -226,8 +226,9 @@ class LLMEngine:
         for start in range(0, len(ids) - 1, budget):
             chunk = ids[start:min(start + budget, len(ids) - 1)]
             out: list[torch.Tensor] = []
+            # NOTE: forward calls `consume` before it returns, so the lambda reads this iteration's `out`.
             self.forward([SeqSpan(0, start, len(chunk))], [chunk], ["score"] * len(chunk),
-                         lambda logits: out.append(torch.log_softmax(logits, dim=-1)), [first])
+                         lambda logits: out.append(torch.log_softmax(logits, dim=-1)), [first])  # noqa: B023
             if start + len(chunk) > first:  # else the one row computed is the chunk's last, before `first`
                 rows.append(out[0])
         self.cache.flush()

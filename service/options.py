@@ -1,44 +1,108 @@
-"""Command-line options shared by the commands that run an engine, and the one place the config tree
-is built from them. Every option can also come from a `MOECACHE_<OPTION>` environment variable."""
+"""Command-line options generated from the config dataclasses, and the config built back from them.
+
+A dataclass field becomes an option when its metadata names a flag:
+`field(default=8, metadata={"flag": "--cache-promote-per-step", "help": "...", "metavar": "N"})`.
+The field's type gives the option's type (`X | None` takes an X; a bool is a switch that sets True),
+its default is the option's default, `choices` and `hidden` are optional. Every option can also come
+from a `MOECACHE_<OPTION>` environment variable (`apply_env_defaults`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import types
+import typing
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
-from engine.config import MISS_MODES, POLICIES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One flagged field of a config dataclass."""
+
+    field: dataclasses.Field[Any]
+    kind: type  # int, float, str or bool
+    flags: tuple[str, ...]
+
+    @property
+    def dest(self) -> str:
+        return self.flags[-1].lstrip("-").replace("-", "_")
+
+    @property
+    def default(self) -> Any:
+        return None if self.field.default is dataclasses.MISSING else self.field.default
+
+
+def options_of(cls: type) -> list[Option]:
+    """The flagged fields of `cls`, in order."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        if "flag" in f.metadata:
+            flag = f.metadata["flag"]
+            found.append(Option(f, _value_type(hints[f.name]), (flag,) if isinstance(flag, str) else tuple(flag)))
+    return found
+
+
+def _value_type(hint: Any) -> type:
+    """int for `int` and `int | None`; the same for float, str and bool."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = args[0]
+    if hint not in (int, float, str, bool):
+        raise TypeError(f"a flagged field must be int, float, str or bool (or one of them | None), not {hint}")
+    return typing.cast(type, hint)
+
+
+def add_options(group: argparse._ActionsContainer, cls: type) -> None:
+    """An argparse option for each flagged field of `cls`."""
+    for option in options_of(cls):
+        meta = option.field.metadata
+        help_text = argparse.SUPPRESS if meta.get("hidden") else _help(meta.get("help", ""), option)
+        if option.kind is bool:
+            group.add_argument(*option.flags, dest=option.dest, action="store_true", default=bool(option.default),
+                               help=help_text)
+            continue
+        group.add_argument(*option.flags, dest=option.dest, type=option.kind, default=option.default,
+                           choices=meta.get("choices"), metavar=meta.get("metavar"), help=help_text)
+
+
+def _help(text: str, option: Option) -> str:
+    if option.default is None or option.kind is bool or "(default" in text:
+        return text
+    return f"{text} (default: {option.default})" if text else f"default: {option.default}"
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field `name` of `cls`, for an option a command writes by hand."""
+    found = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return None if found.default is dataclasses.MISSING else found.default
+
+
+def from_options(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
+    """`cls` with its flagged fields from `args` and the rest from `given` (or their defaults)."""
+    values = {o.field.name: getattr(args, o.dest) for o in options_of(cls)}
+    return cls(**{**values, **given})
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model")
-    m.add_argument("-m", "--model", help="GGUF file (first file of a split model); default: the embedded model")
-    m.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda when available)")
-    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    m.add_argument("-c", "--ctx-size", type=int, default=4096, help="context length per sequence")
-    c = p.add_argument_group("expert placement and cache")
-    c.add_argument("--cpu-moe", action="store_true", help="keep every routed expert in host RAM")
-    c.add_argument("--n-cpu-moe", type=int, default=0, metavar="N", help="routed experts of the first N MoE "
-                   "layers in host RAM")
-    c.add_argument("--moe-cache-mib", type=int, default=None, metavar="MIB", help="GPU expert cache budget "
-                   "(default: the free device memory after weights, KV cache and headroom)")
-    c.add_argument("--cache-policy", default="lru", choices=POLICIES)
-    c.add_argument("--miss-mode", default="cpu", choices=MISS_MODES,
-                   help="where cache misses are computed: cpu, stream (device reads host memory) or hybrid")
-    c.add_argument("--cache-promote-per-step", type=int, default=8, metavar="N",
-                   help="uploads a step where misses do not land (cpu miss mode; decay and lfru)")
-    c.add_argument("--cache-free-slots", type=int, default=0, metavar="N",
-                   help="free slots each ring of the cache offers to landing misses (0: twice its recent misses)")
-    c.add_argument("--cache-headroom-mib", type=int, default=1024, metavar="MIB")
-    c.add_argument("--cache-profile", default=None, metavar="FILE", help="warm-start the cache from a profile")
-    c.add_argument("--cache-profile-out", default=None, metavar="FILE", help="save a profile of expert use")
-    c.add_argument("--record-trace", default=None, metavar="FILE", help="record the routing of every step")
-    c.add_argument("--cpu-threads", type=int, default=None, metavar="N")
-    s = p.add_argument_group("batching")
-    s.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
-    s.add_argument("--max-batch-tokens", type=int, default=512, help="tokens in one forward pass")
-    s.add_argument("--routing", default="model", help=argparse.SUPPRESS)
+    add_options(p.add_argument_group("model"), ModelConfig)
+    add_options(p.add_argument_group("expert placement and cache"), CacheConfig)
+    batching = p.add_argument_group("batching")
+    add_options(batching, SchedulerConfig)
+    add_options(batching, EngineConfig)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    model = from_options(ModelConfig, args)
+    scheduler = from_options(SchedulerConfig, args, max_model_len=model.max_context)
+    return from_options(EngineConfig, args, model=model, cache=from_options(CacheConfig, args), scheduler=scheduler)
 
 
 def env_name(dest: str) -> str:
@@ -77,18 +141,3 @@ def _checked(convert: Callable[[str], Any] | None, choices: Iterable[Any] | None
         return value
 
     return parse
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(args.model, args.device, args.dtype, args.ctx_size),
-        cache=CacheConfig(policy=args.cache_policy, miss_mode=args.miss_mode, budget_mib=args.moe_cache_mib,
-                          cpu_moe=args.cpu_moe, n_cpu_moe=args.n_cpu_moe,
-                          promote_per_step=args.cache_promote_per_step, headroom_mib=args.cache_headroom_mib,
-                          free_slots=args.cache_free_slots,
-                          cpu_threads=args.cpu_threads, profile_in=args.cache_profile,
-                          profile_out=args.cache_profile_out, record_trace=args.record_trace),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
-                                  max_model_len=args.ctx_size),
-        routing=args.routing,
-    )

@@ -8,7 +8,6 @@ timeout, aborts the rest (streams still get their last chunk and `[DONE]`), then
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import time
@@ -21,25 +20,34 @@ from aiohttp import web
 from engine.async_engine import AsyncEngine, Progress
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from service import logs
 from service.grpc_api.server import GrpcServer
-from service.http import Admission, AppState, Limits, build_app
+from service.http import build_app
 from service.jobs.runtime import JobOptions, Jobs
 from service.metrics import Metrics
+from service.openai.limits import Admission, Limits
+from service.state import ServerState
 
 log = logging.getLogger(__name__)
 
 HANDLER_GRACE_S = 10.0  # after the engine drained: time for handlers to write their last chunks
 EMBEDDED_MODEL_NAME = "moecache-embedded"
+DEFAULT_GRPC_PORT = 50051  # `moecache serve`'s; a Server built in code serves gRPC only when given a port
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: any free port (see Server.port)
-    model_name: str | None = None  # default: the GGUF file's stem
-    api_key: str | None = None
+    host: str = field(default="127.0.0.1", metadata={"flag": "--host", "help": "the address of the HTTP and gRPC "
+                                                     "servers"})
+    port: int = field(default=8000, metadata={"flag": "--port", "help": "0: any free port (the log names it)"})
+    model_name: str | None = field(default=None, metadata={
+        "flag": "--served-model-name", "help": "the model id of the API (default: the file name)"})
+    api_key: str | None = field(default=None, metadata={
+        "flag": "--api-key", "help": "require `Authorization: Bearer KEY` (also MOECACHE_API_KEY)"})
     limits: Limits = field(default_factory=Limits)
-    shutdown_timeout: float = 30.0
+    shutdown_timeout: float = field(default=30.0, metadata={
+        "flag": "--shutdown-timeout", "metavar": "S", "help": "on SIGTERM, seconds for running requests to finish "
+        "before they are aborted"})
     grpc_port: int | None = None  # None: no gRPC server; 0: any free port (see Server.grpc.port)
     jobs: JobOptions | None = None  # None: no job, file and batch API and no job worker
 
@@ -73,14 +81,17 @@ class Server:
         limits = options.limits
         self.admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests)
         self.metrics.watch(self.engine.stats, lambda: self.admission.num_queued)
-        self.state = AppState(self.engine, self.metrics, self.admission, limits, name, package_version(),
-                              options.api_key, int(time.time()))
+        self.state = ServerState(self.engine, self.metrics, self.admission, limits, name, package_version(),
+                                 options.api_key, int(time.time()))
         self.jobs = Jobs(options.jobs, self.state) if options.jobs is not None else None
-        self.state = dataclasses.replace(self.state, jobs=self.jobs)
-        self.grpc = GrpcServer(self.state, options.host, options.grpc_port) if options.grpc_port is not None else None
-        self.runner = web.AppRunner(build_app(self.state), handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=HANDLER_GRACE_S)
+        grpc_port = options.grpc_port
+        self.grpc = GrpcServer(self.state, self.jobs, options.host, grpc_port) if grpc_port is not None else None
+        # NOTE: bodies are decoded by the API (`http/errors.py`), so a bad Content-Encoding is its 4xx
+        self.runner = web.AppRunner(build_app(self.state, self.jobs), handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=HANDLER_GRACE_S, auto_decompress=False)
         self._site: web.TCPSite | None = None
+        db_url = options.jobs.db_url if options.jobs is not None else None
+        self._redact = logs.Redact(logs.secrets_of(options.api_key, db_url))
 
     @property
     def port(self) -> int:
@@ -90,6 +101,7 @@ class Server:
 
     async def start(self) -> None:
         """Bind and serve (503 while loading), then load the model; raises what loading raised."""
+        logs.install(self._redact)
         await self.runner.setup()
         self._site = web.TCPSite(self.runner, self.options.host, self.options.port)
         await self._site.start()
@@ -121,6 +133,7 @@ class Server:
             await self.jobs.stop(HANDLER_GRACE_S)  # the job runs ended with the drain; then the store closes
         await self.engine.shutdown()
         log.info("stopped")
+        logs.uninstall(self._redact)
 
 
 async def serve(config: EngineConfig, options: ServeOptions, progress: Progress | None = None) -> int:

@@ -16,7 +16,7 @@ from engine.expert_cache.device import empty_bank
 from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
 
 
-def _seconds(fn: Callable[[], None], repeats: int = 3) -> float:
+def _seconds(fn: Callable[[], object], repeats: int = 3) -> float:
     fn()
     times = []
     for _ in range(repeats):

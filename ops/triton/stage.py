@@ -71,10 +71,14 @@ def fill_rows2(flags, src_a, dst_a, src_b, dst_b, expert, row0, num_rows, row_by
     if tl.load(flags + expert) != 0:
         offsets = tl.arange(0, BLOCK)
         size_a, size_b = num_rows * row_bytes_a, num_rows * row_bytes_b
-        sa = tl.multiple_of((tl.load(src_a + expert) + row0.to(tl.int64) * row_bytes_a).to(tl.pointer_type(tl.uint8)), 16)
-        da = tl.multiple_of((tl.load(dst_a + expert) + row0.to(tl.int64) * row_bytes_a).to(tl.pointer_type(tl.uint8)), 16)
-        sb = tl.multiple_of((tl.load(src_b + expert) + row0.to(tl.int64) * row_bytes_b).to(tl.pointer_type(tl.uint8)), 16)
-        db = tl.multiple_of((tl.load(dst_b + expert) + row0.to(tl.int64) * row_bytes_b).to(tl.pointer_type(tl.uint8)), 16)
+        sa = tl.multiple_of((tl.load(src_a + expert) + row0.to(tl.int64) * row_bytes_a).to(tl.pointer_type(tl.uint8)),
+                            16)
+        da = tl.multiple_of((tl.load(dst_a + expert) + row0.to(tl.int64) * row_bytes_a).to(tl.pointer_type(tl.uint8)),
+                            16)
+        sb = tl.multiple_of((tl.load(src_b + expert) + row0.to(tl.int64) * row_bytes_b).to(tl.pointer_type(tl.uint8)),
+                            16)
+        db = tl.multiple_of((tl.load(dst_b + expert) + row0.to(tl.int64) * row_bytes_b).to(tl.pointer_type(tl.uint8)),
+                            16)
         for start in range(0, tl.maximum(size_a, size_b), BLOCK):
             o = start + offsets
             a = tl.load(sa + o, mask=o < size_a, other=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -71,15 +71,11 @@ class CacheDelta:
                    s.cpu_seconds)
 
     def minus(self, earlier: CacheDelta) -> CacheDelta:
-        return CacheDelta(*(a - b for a, b in zip(_values(self), _values(earlier))))
+        return CacheDelta(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
     @property
     def hit_ratio(self) -> float:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
-
-
-def _values(d: CacheDelta) -> tuple[float, ...]:
-    return d.hits, d.misses, d.uploaded_bytes, d.streamed_bytes, d.cpu_experts, d.promotions, d.cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -95,7 +91,7 @@ class Phase:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds
 
-    def per_token(self, count: int) -> float:
+    def per_token(self, count: float) -> float:
         return count / self.tokens
 
 

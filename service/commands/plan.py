@@ -10,22 +10,24 @@ from dataclasses import asdict
 
 from engine.arch import get_arch
 from engine.arch.base import layer_tensor
-from engine.config import POLICIES
+from engine.config import POLICIES, CacheConfig
 from engine.expert_cache.placement import MiB
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache, smallest_useful_budget
 from engine.expert_cache.policy import PolicyConfig
 from engine.expert_cache.replay import profile_from_trace, replay
 from engine.gguf.reader import GGUFFile
 from engine.routing import RoutingTrace
+from service.options import default_of
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="show the expert cache a budget gives a model (and predicted hit rates)")
     p.add_argument("model", help="GGUF file")
     p.add_argument("--mib", type=int, default=None, help="cache budget (default: a sweep of budgets)")
-    p.add_argument("--n-cpu-moe", type=int, default=0, metavar="N", help="only the first N MoE layers in host RAM")
+    p.add_argument("--n-cpu-moe", type=int, default=default_of(CacheConfig, "n_cpu_moe"), metavar="N",
+                   help="only the first N MoE layers in host RAM")
     p.add_argument("--trace", default=None, help="a routing trace (--record-trace) to replay through each policy")
-    p.add_argument("--max-cached-batch", type=int, default=32)
+    p.add_argument("--max-cached-batch", type=int, default=default_of(CacheConfig, "max_cached_batch"))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p

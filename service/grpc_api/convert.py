@@ -1,5 +1,5 @@
-"""Protocol buffer messages <-> the OpenAI request bodies the HTTP API validates (so both APIs accept
-and refuse exactly the same requests), and engine outputs and jobs -> messages."""
+"""Protocol buffer messages <-> the OpenAI request bodies of `service.openai` (so the gRPC and the HTTP
+APIs accept and refuse exactly the same requests), and engine outputs and jobs -> messages."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from typing import Any
 from engine.gguf.tokenizer import Tokenizer
 from engine.types import RequestOutput, TokenLogprob
 from service.grpc_api.stubs import load
-from service.http.errors import bad_request
-from service.http.params import Body, Generation, check_model, parse_chat, parse_completion
-from service.http.state import AppState
-from service.jobs.store import Job, JobKind
+from service.jobs.records import Job
+from service.openai.errors import bad_request
+from service.openai.kinds import Kind
 
 STUBS = load()
 gen_pb: Any = STUBS.generation_pb2
@@ -22,7 +21,7 @@ OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "re
                      "presence_penalty", "frequency_penalty", "seed")
 
 
-def request_body(request: Any) -> tuple[JobKind, dict[str, Any]]:
+def request_body(request: Any) -> tuple[Kind, dict[str, Any]]:
     """A GenerateRequest as the body of the HTTP request of its kind."""
     which = request.WhichOneof("input")
     if which is None:
@@ -53,24 +52,18 @@ def sampling_body(sampling: Any, is_chat: bool) -> dict[str, Any]:
     return body
 
 
-def parse_request(kind: JobKind, body: dict[str, Any], state: AppState) -> Generation:
-    """Validated exactly as `POST /v1/completions` or `/v1/chat/completions` validates it."""
-    check_model(Body(body), state.model_name)
-    if kind == "chat":
-        return parse_chat(Body(body), state.tokenizer, state.limits, state.engine.max_model_len)
-    return parse_completion(Body(body), state.tokenizer, state.limits)
-
-
 def tokenize_body(request: Any) -> dict[str, Any]:
-    """A TokenizeRequest as the body of `POST /tokenize`."""
-    if request.WhichOneof("input") == "chat":
-        body: dict[str, Any] = {"messages": chat_messages(request.chat)}
+    """A TokenizeRequest as the body of `POST /tokenize` (no input: an empty body, refused as HTTP refuses it)."""
+    which = request.WhichOneof("input")
+    body: dict[str, Any] = {}
+    if which == "chat":
+        body["messages"] = chat_messages(request.chat)
         if request.HasField("add_generation_prompt"):
             body["add_generation_prompt"] = request.add_generation_prompt
-        return body
-    body = {"prompt": request.prompt}
-    if request.HasField("add_special"):
-        body["add_special"] = request.add_special
+    elif which == "prompt":
+        body["prompt"] = request.prompt
+        if request.HasField("add_special"):
+            body["add_special"] = request.add_special
     return body
 
 
@@ -104,6 +97,8 @@ def job_status(status: str) -> int:
 
 def status_name(status: int) -> str | None:
     """A JobStatus as the store names it; None for unspecified."""
+    if status not in jobs_pb.JobStatus.values():
+        raise bad_request(f"status must be one of {', '.join(jobs_pb.JobStatus.keys())} (got {status})", "status")
     return None if status == 0 else str(jobs_pb.JobStatus.Name(status)).removeprefix("JOB_STATUS_").lower()
 
 

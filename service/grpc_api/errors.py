@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from service.http.errors import from_exception
+from service.openai.errors import from_exception
 
 T = TypeVar("T")
 

@@ -1,14 +1,12 @@
 """The gRPC server (`grpc.aio`), in the HTTP server's process and event loop, over the same AsyncEngine:
 `moecache.v1.Generation`, `moecache.v1.Jobs` (with a job store), `grpc.health.v1.Health` (SERVING only
-while the engine takes requests) and server reflection. The API key and readiness are checked by one
-interceptor for the moecache services; health and reflection stay open, like `/health`."""
+while the engine takes requests) and server reflection, behind the `Gate` interceptor (`gate.py`)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -16,70 +14,22 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service.grpc_api.convert import STUBS, gen_pb, jobs_pb
+from service.grpc_api.gate import Gate
 from service.grpc_api.services import GenerationService, JobsService
-from service.http.info import engine_status
-from service.http.state import AppState
+from service.jobs.runtime import Jobs
+from service.state import ServerState, engine_status
 
 log = logging.getLogger(__name__)
 
-GUARDED_PREFIX = "/moecache."
 HEALTH_WATCH_POLL_S = 0.25
 GENERATION = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
 JOBS = jobs_pb.DESCRIPTOR.services_by_name["Jobs"].full_name
-HANDLER_FACTORIES = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
-
-
-class Gate(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED without the API key, UNAVAILABLE while the model loads or the server drains."""
-
-    def __init__(self, state: AppState) -> None:
-        self.state = state
-        self._expected = f"Bearer {state.api_key}".encode() if state.api_key else None
-
-    async def intercept_service(self, continuation: Continuation,
-                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(GUARDED_PREFIX):
-            return handler
-        refusal = self._refusal(details)
-        return handler if refusal is None else refused(handler, *refusal)
-
-    def _refusal(self, details: grpc.HandlerCallDetails) -> tuple[grpc.StatusCode, str] | None:
-        # NOTE: constant time, so the key cannot be guessed byte by byte from response times.
-        if self._expected is not None and not hmac.compare_digest(authorization(details), self._expected):
-            return grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (metadata authorization: Bearer <key>)"
-        status, why = engine_status(self.state)
-        return None if status == "ok" else (grpc.StatusCode.UNAVAILABLE, why)
-
-
-def authorization(details: grpc.HandlerCallDetails) -> bytes:
-    for key, value in details.invocation_metadata or ():
-        if key == "authorization":
-            return value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
-    return b""
-
-
-def refused(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape that ends the call with `code`."""
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, message)
-
-    kind = next(k for k in HANDLER_FACTORIES if getattr(handler, k) is not None)
-    return HANDLER_FACTORIES[kind](refuse, request_deserializer=handler.request_deserializer,
-                                   response_serializer=handler.response_serializer)
 
 
 class Health(health_pb2_grpc.HealthServicer):
     """grpc.health.v1, answered from the engine's state at each call (never a stale flag)."""
 
-    def __init__(self, state: AppState, services: tuple[str, ...]) -> None:
+    def __init__(self, state: ServerState, services: tuple[str, ...]) -> None:
         self.state, self.services = state, frozenset(("", *services))
 
     def status(self, service: str) -> int:
@@ -107,20 +57,20 @@ class Health(health_pb2_grpc.HealthServicer):
 class GrpcServer:
     """Built and bound in `start()`, inside the event loop that serves it."""
 
-    def __init__(self, state: AppState, host: str, port: int) -> None:
-        self.state, self.host, self.requested_port = state, host, port
+    def __init__(self, state: ServerState, jobs: Jobs | None, host: str, port: int) -> None:
+        self.state, self.jobs, self.host, self.requested_port = state, jobs, host, port
         self.port = 0  # the bound port once started
         self._server: grpc.aio.Server | None = None
 
     @property
     def services(self) -> tuple[str, ...]:
-        return (GENERATION, JOBS) if self.state.jobs is not None else (GENERATION,)
+        return (GENERATION, JOBS) if self.jobs is not None else (GENERATION,)
 
     async def start(self) -> None:
         server = grpc.aio.server(interceptors=[Gate(self.state)])
         STUBS.generation_grpc.add_GenerationServicer_to_server(GenerationService(self.state), server)
-        if self.state.jobs is not None:
-            STUBS.jobs_grpc.add_JobsServicer_to_server(JobsService(self.state.jobs), server)
+        if self.jobs is not None:
+            STUBS.jobs_grpc.add_JobsServicer_to_server(JobsService(self.jobs), server)
         health_pb2_grpc.add_HealthServicer_to_server(Health(self.state, self.services), server)
         reflection.enable_server_reflection((*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         self.port = self._bind(server)

@@ -19,32 +19,30 @@ from service.grpc_api.convert import (
     gen_pb,
     job_message,
     jobs_pb,
-    parse_request,
     request_body,
     status_name,
     tokenize_body,
 )
 from service.grpc_api.errors import streaming, unary
-from service.http.info import tokenize_body as tokenize_http_body
-from service.http.params import Body
-from service.http.state import AppState
+from service.jobs.api import DEFAULT_PAGE
+from service.jobs.records import Job
 from service.jobs.runtime import Jobs
-from service.jobs.store import Job
+from service.openai.requests import read_generation, tokenize_request
+from service.state import ServerState
 
-DEFAULT_PAGE = 20
 GenerationServicer: Any = STUBS.generation_grpc.GenerationServicer
 JobsServicer: Any = STUBS.jobs_grpc.JobsServicer
 
 
 class GenerationService(GenerationServicer):
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, state: ServerState) -> None:
         self.state = state
 
     @streaming
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         arrival = time.perf_counter()
         kind, body = request_body(request)
-        generation = await asyncio.to_thread(parse_request, kind, body, self.state)
+        generation = await asyncio.to_thread(read_generation, kind, body, self.state.model)
         requests = generation.requests(f"grpc-{uuid.uuid4().hex}", arrival)
         # NOTE: a cancelled call cancels this handler: leaving `open` aborts the request within a step.
         async with self.state.admission.turn(), self.state.engine.open(requests) as stream:
@@ -56,8 +54,7 @@ class GenerationService(GenerationServicer):
 
     @unary
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        body = Body(tokenize_body(request))
-        token_ids = await asyncio.to_thread(tokenize_http_body, body, self.state)
+        token_ids = await asyncio.to_thread(tokenize_request, tokenize_body(request), self.state.tokenizer)
         return gen_pb.TokenizeResponse(token_ids=token_ids, max_model_len=self.state.engine.max_model_len)
 
     @unary

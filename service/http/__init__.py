@@ -1,7 +1,5 @@
-"""The OpenAI-compatible HTTP API (aiohttp)."""
+"""The OpenAI-compatible HTTP API (aiohttp) over the protocol of `service.openai`."""
 
 from service.http.app import build_app
-from service.http.limits import Admission, Limits
-from service.http.state import AppState
 
-__all__ = ["Admission", "AppState", "Limits", "build_app"]
+__all__ = ["build_app"]

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from service.http.errors import ApiError, bad_request, read_json
-from service.http.jobs import DEFAULT_PAGE, jobs_of, page_object, query_int
-from service.http.params import Body
-from service.jobs.api import ENDPOINT_KINDS, MAX_PAGE
-from service.jobs.store import Batch, FileObject
+from service.http.errors import content_coding, read_json
+from service.http.jobs import page_limit, page_object
+from service.http.state import jobs_of
+from service.jobs.api import check_cursor, is_id
+from service.jobs.records import Batch, FileObject
+from service.jobs.store import window_seconds
+from service.openai.body import Body
+from service.openai.errors import ApiError, bad_request, printable
+from service.openai.kinds import ENDPOINT_KINDS
 
 CHUNK_BYTES = 1 << 16
-COMPLETION_WINDOW = re.compile(r"[1-9][0-9]*h")
+MAX_FILENAME_CHARS = 255
+# OpenAI's limits on a batch's metadata
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 def file_object(file: FileObject) -> dict[str, Any]:
@@ -28,7 +33,7 @@ def batch_object(batch: Batch) -> dict[str, Any]:
 
 
 def file_not_found(file_id: str) -> ApiError:
-    return ApiError(404, f"no file {file_id!r}", "file_id", "not_found")
+    return ApiError(404, f"no file {file_id[:100]!r}", "file_id", "not_found")
 
 
 # -- files ---------------------------------------------------------------------------------------------
@@ -49,16 +54,29 @@ async def upload_file(request: web.Request) -> web.Response:
 async def read_upload(request: web.Request, max_bytes: int) -> dict[str, Any]:
     if not request.content_type.startswith("multipart/"):
         raise bad_request("upload the file as multipart/form-data")
+    if content_coding(request) != "identity":
+        raise ApiError(415, "send the multipart form without a Content-Encoding", code="unsupported_content_encoding")
+    try:
+        return await read_parts(request, max_bytes)
+    except (ValueError, AssertionError) as error:  # what aiohttp's multipart reader raises on a malformed form
+        raise bad_request(f"the multipart form is malformed: {str(error)[:200]}") from None
+
+
+async def read_parts(request: web.Request, max_bytes: int) -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    reader = await request.multipart()
-    async for part in reader:
+    async for part in await request.multipart():
         if not isinstance(part, BodyPartReader):
             continue
         if part.name == "file":
-            fields["file"] = (part.filename or "upload.jsonl", await read_part(part, max_bytes))
+            fields["file"] = (filename_of(part), await read_part(part, max_bytes))
         elif part.name == "purpose":
             fields["purpose"] = (await read_part(part, 1024)).decode(errors="replace")
     return fields
+
+
+def filename_of(part: BodyPartReader) -> str:
+    """The part's file name as stored: valid Unicode, and short."""
+    return printable(part.filename or "upload.jsonl").replace("\x00", "")[:MAX_FILENAME_CHARS] or "upload.jsonl"
 
 
 async def read_part(part: BodyPartReader, max_bytes: int) -> bytes:
@@ -70,8 +88,22 @@ async def read_part(part: BodyPartReader, max_bytes: int) -> bytes:
     return bytes(data)
 
 
-async def get_file(request: web.Request) -> web.Response:
+def file_id_of(request: web.Request) -> str:
     file_id = request.match_info["file_id"]
+    if not is_id(file_id):
+        raise file_not_found(file_id)
+    return file_id
+
+
+def batch_id_of(request: web.Request) -> str:
+    batch_id = request.match_info["batch_id"]
+    if not is_id(batch_id):
+        raise batch_not_found(batch_id)
+    return batch_id
+
+
+async def get_file(request: web.Request) -> web.Response:
+    file_id = file_id_of(request)
     file = await asyncio.to_thread(jobs_of(request).store.get_file, file_id)
     if file is None:
         raise file_not_found(file_id)
@@ -79,7 +111,7 @@ async def get_file(request: web.Request) -> web.Response:
 
 
 async def file_content(request: web.Request) -> web.Response:
-    file_id = request.match_info["file_id"]
+    file_id = file_id_of(request)
     data = await asyncio.to_thread(jobs_of(request).store.file_content, file_id)
     if data is None:
         raise file_not_found(file_id)
@@ -88,23 +120,18 @@ async def file_content(request: web.Request) -> web.Response:
 
 async def list_files(request: web.Request) -> web.Response:
     limit = page_limit(request)
-    files = await asyncio.to_thread(jobs_of(request).store.list_files, purpose=request.query.get("purpose"),
-                                    limit=limit + 1, after=request.query.get("after"))
+    purpose, after = request.query.get("purpose"), check_cursor(request.query.get("after"))
+    if purpose is not None and not is_id(purpose):
+        raise bad_request(f"purpose must be a name like 'batch' (got {purpose[:40]!r})", "purpose")
+    files = await asyncio.to_thread(jobs_of(request).store.list_files, purpose=purpose, limit=limit + 1, after=after)
     return web.json_response(page_object([file_object(f) for f in files[:limit]], len(files) > limit))
 
 
 async def delete_file(request: web.Request) -> web.Response:
-    file_id = request.match_info["file_id"]
+    file_id = file_id_of(request)
     if not await asyncio.to_thread(jobs_of(request).store.delete_file, file_id):
         raise file_not_found(file_id)
     return web.json_response({"id": file_id, "object": "file", "deleted": True})
-
-
-def page_limit(request: web.Request) -> int:
-    limit = query_int(request, "limit", DEFAULT_PAGE)
-    if not 1 <= limit <= MAX_PAGE:
-        raise bad_request(f"limit must be in [1, {MAX_PAGE}] (got {limit})", "limit")
-    return limit
 
 
 # -- batches -------------------------------------------------------------------------------------------
@@ -113,17 +140,20 @@ async def create_batch(request: web.Request) -> web.Response:
     input_file_id, endpoint = body.string("input_file_id"), body.string("endpoint")
     window = body.string("completion_window", "24h") or "24h"
     if endpoint not in ENDPOINT_KINDS:
-        raise bad_request(f"endpoint must be one of {', '.join(ENDPOINT_KINDS)} (got {endpoint!r})", "endpoint")
-    file = None if input_file_id is None else await asyncio.to_thread(jobs.store.get_file, input_file_id)
+        raise bad_request(f"endpoint must be one of {', '.join(ENDPOINT_KINDS)} (got {str(endpoint)[:100]!r})",
+                          "endpoint")
+    file_id = input_file_id or ""
+    file = await asyncio.to_thread(jobs.store.get_file, file_id) if is_id(file_id) else None
     if input_file_id is None or file is None:
-        raise ApiError(404, f"no input file {input_file_id!r}", "input_file_id", "not_found")
+        raise ApiError(404, f"no input file {str(input_file_id)[:100]!r}", "input_file_id", "not_found")
     if file.purpose != "batch":
         raise bad_request(f"the input file's purpose is {file.purpose!r}, not 'batch'", "input_file_id")
-    if not COMPLETION_WINDOW.fullmatch(window):
-        raise bad_request(f"completion_window must be a number of hours like '24h' (got {window!r})",
-                          "completion_window")
+    try:
+        window_seconds(window)
+    except ValueError as error:
+        raise bad_request(str(error), "completion_window") from None
     metadata = check_metadata(body.raw("metadata"))
-    batch = await asyncio.to_thread(jobs.batches.create, input_file_id, endpoint, window, metadata)
+    batch = await asyncio.to_thread(jobs.batches.create, file_id, endpoint, window, metadata)
     jobs.wake_worker()
     return web.json_response(batch_object(batch))
 
@@ -133,29 +163,38 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
         return None
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise bad_request("metadata must be an object of strings", "metadata")
+    if len(metadata) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS
+                                                 for k, v in metadata.items()):
+        raise bad_request(f"metadata holds at most {MAX_METADATA_PAIRS} pairs, keys of at most "
+                          f"{MAX_METADATA_KEY_CHARS} and values of at most {MAX_METADATA_VALUE_CHARS} characters",
+                          "metadata")
     return metadata
 
 
 async def get_batch(request: web.Request) -> web.Response:
-    batch_id = request.match_info["batch_id"]
+    batch_id = batch_id_of(request)
     batch = await asyncio.to_thread(jobs_of(request).store.get_batch, batch_id)
     if batch is None:
-        raise ApiError(404, f"no batch {batch_id!r}", "batch_id", "not_found")
+        raise batch_not_found(batch_id)
     return web.json_response(batch_object(batch))
 
 
+def batch_not_found(batch_id: str) -> ApiError:
+    return ApiError(404, f"no batch {batch_id[:100]!r}", "batch_id", "not_found")
+
+
 async def cancel_batch(request: web.Request) -> web.Response:
-    batch_id = request.match_info["batch_id"]
+    batch_id = batch_id_of(request)
     batch = await jobs_of(request).cancel_batch(batch_id)
     if batch is None:
-        raise ApiError(404, f"no batch {batch_id!r}", "batch_id", "not_found")
+        raise batch_not_found(batch_id)
     return web.json_response(batch_object(batch))
 
 
 async def list_batches(request: web.Request) -> web.Response:
     limit = page_limit(request)
     batches = await asyncio.to_thread(jobs_of(request).store.list_batches, limit=limit + 1,
-                                      after=request.query.get("after"))
+                                      after=check_cursor(request.query.get("after")))
     return web.json_response(page_object([batch_object(b) for b in batches[:limit]], len(batches) > limit))
 
 

@@ -3,15 +3,18 @@ state pushed as server-sent events while a client listens).
 
 Both read the snapshot the engine thread published after its last step, so they never touch the
 engine. They are public like /metrics: aggregate counters and per-expert routing heat, no prompts or
-outputs; and a browser's EventSource cannot send an Authorization header.
+outputs; and a browser's EventSource cannot send an Authorization header. Being public, the events
+take at most `Limits.max_cache_listeners` clients at once; more get 429.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,10 +22,11 @@ from aiohttp import web
 
 from engine.async_engine import EngineSnapshot
 from engine.expert_cache.stats import BATCH_CLASSES, CacheStatsSnapshot
-from service.http.info import engine_status
 from service.http.sse import EventStream
-from service.http.state import AppState, app_state
+from service.http.state import app_state
 from service.metrics import EMPTY_CACHE
+from service.openai.errors import ApiError
+from service.state import ServerState, engine_status
 
 EVENT_INTERVAL_S = 0.5
 RECONNECT_MS = 2000  # how long an EventSource waits before it reconnects (e.g. after a restart)
@@ -30,7 +34,32 @@ USAGE_DECIMALS = 2
 compact_json = functools.partial(json.dumps, separators=(",", ":"))
 
 
-def cache_state(state: AppState) -> dict[str, Any]:
+class Listeners:
+    """The event streams open now, at most `cap` of them."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.count = cap, 0
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        if self.count >= self.cap:
+            raise ApiError(429, f"the cache view has {self.count} listeners already; retry later",
+                           code="too_many_listeners")
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+
+
+LISTENERS = web.AppKey("cache_listeners", Listeners)
+
+
+def setup(app: web.Application, max_listeners: int) -> None:
+    app[LISTENERS] = Listeners(max_listeners)
+
+
+def cache_state(state: ServerState) -> dict[str, Any]:
     """The cache view's JSON: shape, recent use and place of every expert, counters, placement."""
     snap = state.engine.stats()
     status, _ = engine_status(state)
@@ -95,17 +124,13 @@ async def get_cache_state(request: web.Request) -> web.Response:
 async def cache_events(request: web.Request) -> web.StreamResponse:
     """The state every EVENT_INTERVAL_S until the client leaves; ends when the server drains, so an
     open view never holds up a shutdown (the browser reconnects to the next server)."""
-    state = app_state(request)
-    events = EventStream()
-    await events.start(request)
-    try:
-        await events.response.write(f"retry: {RECONNECT_MS}\n\n".encode())
-        while True:
-            await events.send(cache_state(state))
-            if engine_status(state)[0] in ("draining", "dead"):
-                break
-            await asyncio.sleep(EVENT_INTERVAL_S)
-        await events.response.write_eof()
-    except ConnectionResetError:
-        pass  # the client went away
+    state, events = app_state(request), EventStream()
+    with request.app[LISTENERS].hold():
+        async with events.open(request):
+            await events.write(f"retry: {RECONNECT_MS}\n\n")
+            while True:
+                await events.send(cache_state(state))
+                if engine_status(state)[0] in ("draining", "dead"):
+                    break
+                await asyncio.sleep(EVENT_INTERVAL_S)
     return events.response

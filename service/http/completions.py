@@ -12,32 +12,40 @@ from collections.abc import Callable
 from aiohttp import web
 
 from engine.async_engine import EngineUnavailableError, RequestStream
+from engine.gguf.tokenizer import Tokenizer
 from engine.types import RequestOutput
-from service.http.errors import ApiError, read_json
-from service.http.params import Body, Generation, check_model, parse_chat, parse_completion
-from service.http.responses import ChatFormat, Choice, CompletionFormat, Envelope, Format, JsonObject, usage
+from service.http.errors import read_json
 from service.http.sse import EventStream
-from service.http.state import AppState, app_state
+from service.http.state import app_state
+from service.openai.errors import ApiError
+from service.openai.kinds import Kind
+from service.openai.requests import Generation, read_generation
+from service.openai.responses import ChatFormat, Choice, CompletionFormat, Envelope, Format, JsonObject, usage
+from service.state import ServerState
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.perf_counter()
-    state, body = app_state(request), Body(await read_json(request))
-    check_model(body, state.model_name)
-    job = await asyncio.to_thread(parse_completion, body, state.tokenizer, state.limits)
-    return await respond(request, state, job, CompletionFormat.for_job(state.tokenizer, job), arrival)
+    return await generate(request, "completion")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await generate(request, "chat")
+
+
+async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     arrival = time.perf_counter()
-    state, body = app_state(request), Body(await read_json(request))
-    check_model(body, state.model_name)
-    job = await asyncio.to_thread(parse_chat, body, state.tokenizer, state.limits, state.engine.max_model_len)
-    return await respond(request, state, job, ChatFormat(state.tokenizer, job.params.logprobs is not None),
-                         arrival)
+    state, body = app_state(request), await read_json(request)
+    job = await asyncio.to_thread(read_generation, kind, body, state.model)
+    return await respond(request, state, job, response_format(kind, state.tokenizer, job), arrival)
 
 
-async def respond(request: web.Request, state: AppState, job: Generation, fmt: Format,
+def response_format(kind: Kind, tokenizer: Tokenizer, job: Generation) -> Format:
+    if kind == "chat":
+        return ChatFormat(tokenizer, job.params.logprobs is not None)
+    return CompletionFormat.for_job(tokenizer, job)
+
+
+async def respond(request: web.Request, state: ServerState, job: Generation, fmt: Format,
                   arrival: float) -> web.StreamResponse:
     env = Envelope(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), state.model_name, state.fingerprint)
     async with state.admission.turn(), state.engine.open(job.requests(env.id, arrival)) as stream:
@@ -55,13 +63,17 @@ def job_usage(job: Generation, choices: list[Choice]) -> JsonObject:
     return usage(sum(len(p) for p in job.prompts), sum(c.num_generated_tokens for c in choices))
 
 
+def generation_failed(error: EngineUnavailableError) -> ApiError:
+    return ApiError(500, f"generation failed: {error}", code="engine_error")
+
+
 async def collect(stream: RequestStream, job: Generation, fmt: Format, env: Envelope) -> JsonObject:
     choices = [Choice(i) for i in range(job.num_choices)]
     try:
         async for out in stream:
             choices[choice_index(out.request_id)].add(out)
     except EngineUnavailableError as error:
-        raise ApiError(500, f"generation failed: {error}", code="engine_error") from None
+        raise generation_failed(error) from None
     return env.wrap(fmt.object, choices=[fmt.choice(c) for c in choices], usage=job_usage(job, choices))
 
 
@@ -73,17 +85,16 @@ async def stream_response(request: web.Request, stream: RequestStream, job: Gene
     def chunk(delta: JsonObject) -> JsonObject:
         return env.wrap(fmt.chunk_object, choices=[delta], **extra)
 
-    try:
-        await events.start(request)
-        await send_choices(events, stream, job, fmt, chunk, env)
-        await events.done()
-    except ConnectionResetError:
-        pass  # the client went away; leaving `open` aborts its requests
+    # NOTE: a client that went away ends the block; leaving the engine's `open` then aborts its requests.
+    async with events.open(request):
+        if await send_choices(events, stream, job, fmt, chunk, env):
+            await events.done()
     return events.response
 
 
 async def send_choices(events: EventStream, stream: RequestStream, job: Generation, fmt: Format,
-                       chunk: Callable[[JsonObject], JsonObject], env: Envelope) -> None:
+                       chunk: Callable[[JsonObject], JsonObject], env: Envelope) -> bool:
+    """Every chunk of the choices; False when the engine failed (the stream ended with an error event)."""
     choices = [Choice(i) for i in range(job.num_choices)]
     for c in choices:
         if (first := fmt.first_delta(c.index)) is not None:
@@ -92,10 +103,11 @@ async def send_choices(events: EventStream, stream: RequestStream, job: Generati
         async for out in stream:
             await send_output(events, choices[choice_index(out.request_id)], out, fmt, chunk)
     except EngineUnavailableError as error:
-        await events.send(ApiError(500, f"generation failed: {error}", code="engine_error").body())
-        return
+        await events.fail(generation_failed(error))
+        return False
     if job.include_usage:
         await events.send(env.wrap(fmt.chunk_object, choices=[], usage=job_usage(job, choices)))
+    return True
 
 
 async def send_output(events: EventStream, choice: Choice, out: RequestOutput, fmt: Format,

@@ -1,63 +1,27 @@
-"""The OpenAI error object, `{"error": {"message", "type", "param", "code"}}`, for every failure."""
+"""Every failure of the HTTP API as OpenAI's error object, answered with its HTTP status (an event stream
+that has started ends with an `error` event instead: `sse.py`)."""
 
 from __future__ import annotations
 
-import json
-import logging
+import zlib
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestPayloadError
 
-from engine.async_engine import EngineUnavailableError
-from engine.types import RequestError
+from service.http.state import app_state
+from service.openai.body import decode_object
+from service.openai.errors import ApiError, bad_request, from_exception
 
-log = logging.getLogger(__name__)
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-}
+BODY_UNREADABLE = "the request body could not be read: cut short, or not in its Transfer-Encoding"
+WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-class ApiError(Exception):
-    """An error answered with an HTTP status and OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict[str, Any]:
-        kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param, code)
-
-
-def from_exception(error: Exception) -> ApiError:
-    """The API error for an exception raised while handling a request."""
-    if isinstance(error, ApiError):
-        return error
-    if isinstance(error, RequestError):
-        return ApiError(400, str(error), error.param, error.code)
-    if isinstance(error, EngineUnavailableError):
-        return ApiError(503, str(error), code="service_unavailable")
-    if isinstance(error, web.HTTPException):
-        return _from_http(error)
-    log.error("unexpected error", exc_info=error)
-    return ApiError(500, "internal server error", code="internal_error")
+def error_response(error: ApiError) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return web.json_response(error.body(), status=error.status, headers=headers)
 
 
 def _from_http(error: web.HTTPException) -> ApiError:
@@ -71,23 +35,58 @@ def _from_http(error: web.HTTPException) -> ApiError:
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Outermost: whatever a handler raises becomes an error object, never a crash page."""
+    is_unreadable = False
     try:
         return await handler(request)
     except web.HTTPException as error:
         if error.status < 400:
             raise
-        return from_exception(error).response()
+        api_error = _from_http(error)
+    except (RequestPayloadError, HttpProcessingError):
+        api_error, is_unreadable = ApiError(400, BODY_UNREADABLE, code="invalid_body"), True
     except Exception as error:
-        return from_exception(error).response()
+        # NOTE: a response that has started cannot be followed by another; event streams end themselves
+        # (`EventStream.open`), anything else is aiohttp's to cut off.
+        if request.writer.output_size > 0:
+            raise
+        api_error = from_exception(error)
+    response = error_response(api_error)
+    if is_unreadable:
+        # NOTE: nothing of the body can be read past the error: it ends here, and so does the connection
+        # after this answer (aiohttp would otherwise try to drain the body, and fail and log again).
+        request.content.feed_eof()
+        response.force_close()
+    return response
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object; 413 past the app's client_max_size, 400 for anything not an object."""
-    raw = await request.read()
+    """The body as a JSON object within the bounds of `decode_object`; 413 past the app's client_max_size."""
+    max_bytes = app_state(request).limits.max_body_bytes
+    return decode_object(decoded(await request.read(), content_coding(request), max_bytes))
+
+
+def content_coding(request: web.Request) -> str:
+    """The body's Content-Encoding: identity, or one this API decodes itself (gzip, deflate); 415 for others.
+    NOTE: the server does not decode bodies (auto_decompress=False), so a body that does not decode is an
+    error of this request, answered as JSON, never a parser error before any route."""
+    coding = request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
+    if coding != "identity" and coding not in WBITS:
+        raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported: send gzip, deflate or identity",
+                       code="unsupported_content_encoding")
+    return coding
+
+
+def decoded(raw: bytes, coding: str, max_bytes: int) -> bytes:
+    """`raw` decompressed, at most `max_bytes` of it (413 past that)."""
+    if coding == "identity":
+        return raw
+    inflater = zlib.decompressobj(WBITS[coding])
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise bad_request(f"the body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object")
-    return body
+        data = inflater.decompress(raw, max_bytes + 1)
+    except zlib.error:
+        raise bad_request(f"the body is not {coding} data (its Content-Encoding)") from None
+    if len(data) > max_bytes:
+        raise ApiError(413, f"the request body is larger than {max_bytes} bytes decompressed", code="request_too_large")
+    if not inflater.eof:
+        raise bad_request(f"the {coding} body is cut short")
+    return data

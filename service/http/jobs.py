@@ -7,25 +7,16 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 
-from service.http.errors import bad_request, read_json
-from service.http.sse import HEADERS
-from service.http.state import app_state
-from service.jobs.api import job_object
-from service.jobs.runtime import Jobs
-from service.jobs.store import Job, JobEvent
-
-DEFAULT_PAGE = 20
-
-
-def jobs_of(request: web.Request) -> Jobs:
-    jobs = app_state(request).jobs
-    assert jobs is not None  # the routes exist only with jobs
-    return jobs
+from service.http.errors import read_json
+from service.http.sse import EventStream
+from service.http.state import jobs_of
+from service.jobs.api import DEFAULT_PAGE, MAX_PAGE, MAX_SEQ, job_object
+from service.jobs.records import Job, JobEvent
+from service.openai.body import parse_count
 
 
 async def submit_job(request: web.Request) -> web.Response:
@@ -43,8 +34,7 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 async def list_jobs(request: web.Request) -> web.Response:
     query = request.query
-    page, has_more = await jobs_of(request).list(query_int(request, "limit", DEFAULT_PAGE), query.get("after"),
-                                                 query.get("status"))
+    page, has_more = await jobs_of(request).list(page_limit(request), query.get("after"), query.get("status"))
     return web.json_response(page_object([job_object(job) for job in page], has_more))
 
 
@@ -53,49 +43,37 @@ def page_object(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
 
 
-def query_int(request: web.Request, name: str, default: int) -> int:
-    value = request.query.get(name)
-    if value is None:
-        return default
-    if not value.isdigit():
-        raise bad_request(f"{name} must be a non-negative integer (got {value!r})", name)
-    return int(value)
+def page_limit(request: web.Request) -> int:
+    """`?limit=`: 1 to MAX_PAGE, DEFAULT_PAGE when absent."""
+    value = request.query.get("limit")
+    return DEFAULT_PAGE if value is None else parse_count(value, "limit", MAX_PAGE, minimum=1)
 
 
 def resume_after(request: web.Request) -> int:
     """The last chunk the client has: `Last-Event-ID` (an SSE reconnect), else `?after=`, else 0."""
     given = request.headers.get("Last-Event-ID")
-    if given is None:
-        return query_int(request, "after", 0)
-    if not given.isdigit():
-        raise bad_request(f"Last-Event-ID must be a chunk number (got {given!r})", "Last-Event-ID")
-    return int(given)
+    if given is not None:
+        return parse_count(given.strip(), "Last-Event-ID", MAX_SEQ)
+    after = request.query.get("after")
+    return 0 if after is None else parse_count(after, "after", MAX_SEQ)
 
 
 async def job_events(request: web.Request) -> web.StreamResponse:
     jobs, job_id = jobs_of(request), request.match_info["job_id"]
     after = resume_after(request)
     await jobs.get(job_id)  # 404 before the stream starts
-    response = web.StreamResponse(headers=HEADERS)
-    await response.prepare(request)
-    try:
+    events = EventStream()
+    async with events.open(request):  # a client that goes away leaves the job running
         async for item in jobs.watch(job_id, after):
-            await response.write(sse_event(item))
-        await response.write_eof()
-    except ConnectionResetError:
-        pass  # the client went away; the job goes on
-    return response
+            await send_item(events, item)
+    return events.response
 
 
-def sse_event(item: JobEvent | Job) -> bytes:
+async def send_item(events: EventStream, item: JobEvent | Job) -> None:
     if isinstance(item, Job):
-        return f"event: done\ndata: {_json(job_object(item))}\n\n".encode()
-    chunk = {"seq": item.seq, "text": item.text, "token_ids": list(item.token_ids)}
-    return f"id: {item.seq}\ndata: {_json(chunk)}\n\n".encode()
-
-
-def _json(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+        await events.send(job_object(item), event="done")
+    else:
+        await events.send({"seq": item.seq, "text": item.text, "token_ids": list(item.token_ids)}, event_id=item.seq)
 
 
 def routes() -> list[web.RouteDef]:

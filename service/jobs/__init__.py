@@ -1,7 +1,7 @@
 """Durable generation jobs (SQLite on one box, PostgreSQL shared by replicas) and the files and
-batches of the OpenAI Batch API. Open one with `open_store(url)`."""
+batches of the OpenAI Batch API. Open a store with `open_store(url)`."""
 
-from service.jobs.store import (
+from service.jobs.records import (
     BATCH_STATUSES,
     FINISHED_BATCH_STATUSES,
     FINISHED_JOB_STATUSES,
@@ -15,11 +15,10 @@ from service.jobs.store import (
     JobEvent,
     JobKind,
     JobStatus,
-    JobStore,
     NewJob,
     QueueFull,
-    open_store,
 )
+from service.jobs.store import JobStore, open_store
 
 __all__ = [
     "BATCH_STATUSES",

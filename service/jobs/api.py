@@ -1,41 +1,35 @@
 """What the HTTP and gRPC job APIs share: a job's request body, checked exactly as the generation
-endpoint of its kind checks it, and the JSON form of a job."""
+endpoint of its kind checks it, paging and resuming arguments, and the JSON form of a job."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from service.http.errors import ApiError, bad_request
-from service.http.params import Body, Generation, check_model, parse_chat, parse_completion
-from service.http.state import AppState
-from service.jobs.store import JOB_STATUSES, Job, JobKind
+from service.jobs.records import JOB_STATUSES, Job, JobKind
+from service.openai.body import INT64_MAX
+from service.openai.errors import ApiError, bad_request
+from service.openai.requests import Generation, ServedModel, read_generation
 
-ENDPOINT_KINDS: dict[str, JobKind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 MAX_PAGE = 100
+DEFAULT_PAGE = 20
+MAX_SEQ = INT64_MAX  # chunk numbers are 64-bit signed integers in the store
+# Every id the store makes (job_<hex>, file-<hex>, batch_<hex>) matches; what does not names nothing, and
+# is never sent to the database (PostgreSQL text cannot even hold a NUL).
+ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def job_kind(body: dict[str, Any]) -> JobKind:
-    """A chat request has `messages`; anything else is a completion request."""
-    return "chat" if "messages" in body else "completion"
+def check_job(kind: JobKind, body: dict[str, Any], model: ServedModel) -> Generation:
+    """The job's generation; ApiError (400/404) names what is wrong, as the HTTP endpoints do."""
+    return _runnable_as_job(read_generation(kind, body, model))
 
 
-def check_job(kind: JobKind, body: dict[str, Any], state: AppState) -> Generation:
-    """The job's generation; ApiError(400/404) names what is wrong, as the HTTP endpoints do."""
-    check_model(Body(body), state.model_name)
-    return parse_job(kind, body, state)
-
-
-def parse_job(kind: JobKind, body: dict[str, Any], state: AppState) -> Generation:
+def parse_job(kind: JobKind, body: dict[str, Any], model: ServedModel) -> Generation:
     """Parse a stored request (no model check: any replica serving the job's model may run it)."""
-    if kind == "chat":
-        generation = parse_chat(Body(body), state.tokenizer, state.limits, state.engine.max_model_len)
-    else:
-        generation = parse_completion(Body(body), state.tokenizer, state.limits)
-    _check_runnable_as_job(generation)
-    return generation
+    return _runnable_as_job(read_generation(kind, body, model, any_model=True))
 
 
-def _check_runnable_as_job(generation: Generation) -> None:
+def _runnable_as_job(generation: Generation) -> Generation:
     if generation.stream:
         raise bad_request("jobs do not stream; read GET /v1/jobs/{id}/events instead", "stream")
     if generation.num_choices != 1:
@@ -44,17 +38,36 @@ def _check_runnable_as_job(generation: Generation) -> None:
         raise bad_request("jobs do not keep logprobs", "logprobs")
     if generation.echo:
         raise bad_request("jobs do not echo the prompt", "echo")
+    return generation
+
+
+def is_id(text: str) -> bool:
+    return ID.fullmatch(text) is not None
+
+
+def check_cursor(after: str | None, name: str = "after") -> str | None:
+    """A page's `after`: the id of the last item of the previous page."""
+    if after is not None and not is_id(after):
+        raise bad_request(f"{name} must be the id of the last item of a page (got {after[:40]!r})", name)
+    return after
 
 
 def not_found(job_id: str) -> ApiError:
-    return ApiError(404, f"no job {job_id!r}", "id", "not_found")
+    return ApiError(404, f"no job {job_id[:100]!r}", "id", "not_found")
 
 
-def check_page(limit: int, status: str | None) -> None:
+def check_page(limit: int, after: str | None, status: str | None) -> None:
+    check_cursor(after)
     if not 1 <= limit <= MAX_PAGE:
         raise bad_request(f"limit must be in [1, {MAX_PAGE}] (got {limit})", "limit")
     if status is not None and status not in JOB_STATUSES:
-        raise bad_request(f"status must be one of {', '.join(JOB_STATUSES)} (got {status!r})", "status")
+        raise bad_request(f"status must be one of {', '.join(JOB_STATUSES)} (got {status[:40]!r})", "status")
+
+
+def check_after(after_seq: int, name: str) -> int:
+    if not 0 <= after_seq <= MAX_SEQ:
+        raise bad_request(f"{name} must be a chunk number from 0 to {MAX_SEQ} (got {after_seq})", name)
+    return after_seq
 
 
 def job_object(job: Job) -> dict[str, Any]:

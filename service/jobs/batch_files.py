@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.types import RequestError
-from service.http.errors import ApiError, from_exception
-from service.jobs.api import ENDPOINT_KINDS
-from service.jobs.store import Job, JobKind, NewJob
+from service.jobs.records import Job, JobKind, NewJob
+from service.openai.body import decode_object
+from service.openai.errors import ApiError, from_exception
+from service.openai.kinds import ENDPOINT_KINDS
 
 JsonObject = dict[str, Any]
+MAX_CUSTOM_ID_CHARS = 512
 Validate = Callable[[JobKind, JsonObject], None]  # raises ApiError/RequestError as the endpoint would
 
 
@@ -51,8 +53,9 @@ def parse_input(data: bytes, endpoint: str, batch_id: str, validate: Validate) -
 def parse_line(raw: bytes, endpoint: str, batch_id: str, seen: set[str], validate: Validate) -> NewJob:
     line = _json_object(raw)
     custom_id = line.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise LineError("invalid_custom_id", "custom_id must be a non-empty string", "custom_id")
+    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID_CHARS or "\x00" in custom_id:
+        raise LineError("invalid_custom_id", f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters "
+                        "without NUL", "custom_id")
     if custom_id in seen:
         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears more than once", "custom_id")
     seen.add(custom_id)
@@ -74,20 +77,17 @@ def parse_line(raw: bytes, endpoint: str, batch_id: str, seen: set[str], validat
 
 def _json_object(raw: bytes) -> JsonObject:
     try:
-        line = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise LineError("invalid_json", f"the line is not valid JSON: {error}") from None
-    if not isinstance(line, dict):
-        raise LineError("invalid_json", "the line must be a JSON object")
-    return line
+        return decode_object(raw)
+    except ApiError as error:
+        raise LineError("invalid_json", error.message.replace("the body", "the line")) from None
 
 
 def custom_id_at(data: bytes, number: int) -> str | None:
     """The custom_id of input line `number` (1-based), when the line has a readable one."""
     lines = data.splitlines()
     try:
-        custom_id = json.loads(lines[number - 1]).get("custom_id")
-    except (ValueError, UnicodeDecodeError, IndexError, AttributeError):
+        custom_id = decode_object(lines[number - 1]).get("custom_id")
+    except (ApiError, IndexError):
         return None
     return custom_id if isinstance(custom_id, str) else None
 

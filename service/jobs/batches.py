@@ -20,7 +20,8 @@ from service.jobs.batch_files import (
     output_line,
     parse_input,
 )
-from service.jobs.store import FINISHED_BATCH_STATUSES, Batch, BatchRequestCounts, BatchStatus, Job, JobStore, QueueFull
+from service.jobs.records import FINISHED_BATCH_STATUSES, Batch, BatchRequestCounts, BatchStatus, Job, QueueFull
+from service.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""What the SQL job store needs from a database: transactions, a dialect, and schema migration."""
+"""What the job store needs from a database: transactions, a dialect, and schema migration (SQLite on
+one box, `sqlite.py`, or PostgreSQL shared by replicas, `postgres.py`)."""
 
 from __future__ import annotations
 

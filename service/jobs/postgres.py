@@ -1,7 +1,7 @@
 """The shared job store: PostgreSQL, so every replica claims from one queue.
 
-Times come from the database clock (`now()`), so replicas whose clocks disagree still agree on when a
-lease expires. Every call runs in its own transaction on a pooled connection (psycopg 3).
+Times come from the database clock, so replicas whose clocks disagree still agree on when a lease
+expires. Every call runs in its own transaction on a pooled connection (psycopg 3).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import psycopg
 from psycopg.rows import dict_row
 
 from service.jobs.db import Database, Dialect, Tx
-from service.jobs.sql import SqlJobStore
 
 DEFAULT_POOL_SIZE = 4
 CONNECT_TIMEOUT_S = 10
@@ -25,7 +24,9 @@ _LOCK_KEY = 0x6D6F6563  # "moec"
 
 POSTGRES = Dialect(
     param="%s",
-    now="extract(epoch from now())::float8",
+    # NOTE: the statement's start, not the transaction's (`now()`): a claim's transaction can begin before
+    # a job is submitted and still take it in a later statement; its start would precede the job's creation.
+    now="extract(epoch from statement_timestamp())::float8",
     skip_locked="FOR UPDATE SKIP LOCKED",
     serialize=f"SELECT pg_advisory_xact_lock({_LOCK_KEY})",
     serial="BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
@@ -93,9 +94,3 @@ class PostgresDatabase(Database):
 
     def close(self) -> None:
         self._pool.close()
-
-
-class PostgresJobStore(SqlJobStore):
-    def __init__(self, url: str, pool_size: int = DEFAULT_POOL_SIZE) -> None:
-        """`url` is a libpq connection URL: postgresql://user:password@host:port/dbname."""
-        super().__init__(PostgresDatabase(url, pool_size))

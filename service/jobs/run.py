@@ -17,20 +17,24 @@ from dataclasses import dataclass, field, replace
 
 from engine.async_engine import EngineUnavailableError
 from engine.types import Request, RequestError, RequestOutput
-from service.http.errors import ApiError, from_exception
-from service.http.params import Generation
-from service.http.responses import ChatFormat, Choice, CompletionFormat, Envelope, JsonObject, usage
-from service.http.state import AppState
 from service.jobs.api import parse_job
-from service.jobs.store import Job, JobStatus, JobStore
+from service.jobs.records import Job, JobStatus
+from service.jobs.store import JobStore
+from service.openai.errors import ApiError, from_exception
+from service.openai.requests import Generation
+from service.openai.responses import ChatFormat, Choice, CompletionFormat, Envelope, JsonObject, usage
+from service.state import ServerState
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    concurrency: int = 4  # jobs one worker runs at once
-    lease_s: float = 30.0  # a dead worker's jobs go to another after this long
+    concurrency: int = field(default=4, metadata={
+        "flag": "--job-concurrency", "metavar": "N", "help": "jobs this server runs at once"})
+    lease_s: float = field(default=30.0, metadata={
+        "flag": "--job-lease", "metavar": "S", "help": "a crashed server's running jobs resume elsewhere after this "
+        "many seconds"})
     poll_s: float = 0.5  # how often to look for new jobs and for cancels requested elsewhere
     flush_tokens: int = 8  # persist after this many tokens ...
     flush_s: float = 0.5  # ... or this many seconds, whichever comes first
@@ -66,7 +70,7 @@ class _Pending:
 class JobRun:
     """Owns one claimed job until it finishes, is cancelled, or its lease goes to another worker."""
 
-    def __init__(self, job: Job, worker_id: str, store: JobStore, state: AppState, options: WorkerOptions,
+    def __init__(self, job: Job, worker_id: str, store: JobStore, state: ServerState, options: WorkerOptions,
                  on_persisted: Callable[[str], None], on_finished: Callable[[Job], None]) -> None:
         self.job, self.worker_id, self.store, self.state, self.options = job, worker_id, store, state, options
         self.request_id = f"{job.id}-{job.attempts}"
@@ -85,7 +89,7 @@ class JobRun:
 
     async def run(self) -> None:
         try:
-            generation = await asyncio.to_thread(parse_job, self.job.kind, self.job.request, self.state)
+            generation = await asyncio.to_thread(parse_job, self.job.kind, self.job.request, self.state.model)
         except (ApiError, RequestError) as error:  # the server's limits changed since the job was queued
             await self._finish("failed", error=from_exception(error).message)
             return

@@ -8,18 +8,20 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.http.errors import ApiError
-from service.http.state import AppState
-from service.jobs.api import check_job, check_page, job_kind, not_found
+from service.jobs.api import check_after, check_job, check_page, is_id, not_found
 from service.jobs.batches import BatchRunner
+from service.jobs.records import Batch, Job, JobEvent, JobKind, QueueFull
 from service.jobs.run import WorkerOptions
-from service.jobs.store import Batch, Job, JobEvent, JobKind, JobStore, QueueFull, open_store
+from service.jobs.store import JobStore, open_store
 from service.jobs.watch import JobSignals, watch_job
 from service.jobs.worker import JobWorker
+from service.openai.errors import ApiError
+from service.openai.kinds import request_kind
+from service.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +34,14 @@ def default_jobs_db() -> str:
 
 @dataclass(frozen=True)
 class JobOptions:
-    db_url: str
+    db_url: str = field(metadata={
+        "flag": "--jobs-db", "metavar": "URL", "help": "job store: sqlite:///PATH, or postgresql://... shared by "
+        "several replicas (default: sqlite:///<MOECACHE_CACHE_DIR or ~/.cache/moecache>/jobs.db)"})
     worker: WorkerOptions = WorkerOptions()
-    max_queued_jobs: int = 10_000  # more submissions get 429
-    max_file_bytes: int = 200 << 20  # a larger upload gets 413
+    max_queued_jobs: int = field(default=10_000, metadata={
+        "flag": "--max-queued-jobs", "metavar": "N", "help": "more submissions get 429"})
+    max_file_bytes: int = field(default=200 << 20, metadata={
+        "flag": "--max-file-bytes", "metavar": "N", "help": "larger uploads get 413"})
     batch_poll_s: float = 10.0  # how often unfinished batches are checked for what a crash left behind
 
     def __post_init__(self) -> None:
@@ -44,8 +50,8 @@ class JobOptions:
 
 
 class Jobs:
-    def __init__(self, options: JobOptions, state: AppState) -> None:
-        self.options, self.state = options, state  # `state` without jobs: what running a request needs
+    def __init__(self, options: JobOptions, state: ServerState) -> None:
+        self.options, self.state = options, state
         self.signals = JobSignals()
         self._store: JobStore | None = None
         self._worker: JobWorker | None = None
@@ -112,12 +118,12 @@ class Jobs:
             self.batches.poke(job.batch_id)
 
     def _validate(self, kind: JobKind, body: dict[str, Any]) -> None:
-        check_job(kind, body, self.state)
+        check_job(kind, body, self.state.model)
 
     # -- the API ----------------------------------------------------------------------------------------
     async def submit(self, body: dict[str, Any]) -> Job:
-        kind = job_kind(body)
-        await asyncio.to_thread(check_job, kind, body, self.state)
+        kind = request_kind(body)
+        await asyncio.to_thread(check_job, kind, body, self.state.model)
         try:
             job = await asyncio.to_thread(self.store.create, kind, body, max_queued=self.options.max_queued_jobs)
         except QueueFull as error:
@@ -126,12 +132,16 @@ class Jobs:
         return job
 
     async def get(self, job_id: str) -> Job:
+        if not is_id(job_id):
+            raise not_found(job_id)
         job = await asyncio.to_thread(self.store.get, job_id)
         if job is None:
             raise not_found(job_id)
         return job
 
     async def cancel(self, job_id: str) -> Job:
+        if not is_id(job_id):
+            raise not_found(job_id)
         job = await asyncio.to_thread(self.store.cancel, job_id)
         if job is None:
             raise not_found(job_id)
@@ -141,12 +151,13 @@ class Jobs:
 
     async def list(self, limit: int, after: str | None, status: str | None) -> tuple[list[Job], bool]:
         """One page, newest first, and whether more follow."""
-        check_page(limit, status)
+        check_page(limit, after, status)
         jobs = await asyncio.to_thread(self.store.list, limit=limit + 1, after=after, status=status)
         return jobs[:limit], len(jobs) > limit
 
     async def watch(self, job_id: str, after_seq: int) -> AsyncIterator[JobEvent | Job]:
         """The job's chunks after `after_seq`, then the finished job; 404 for an unknown job."""
+        check_after(after_seq, "after_seq")
         await self.get(job_id)
         async for item in watch_job(self.store, self.signals, job_id, after_seq, self.options.worker.poll_s):
             yield item

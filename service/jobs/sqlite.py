@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from service.jobs.db import Database, Dialect, Row, Tx
-from service.jobs.sql import SqlJobStore
 
 BUSY_TIMEOUT_S = 30.0
 WAL_RETRY_S = 0.01
@@ -61,12 +60,6 @@ class SqliteDatabase(Database):
     def close(self) -> None:
         with self._lock:
             self._conn.close()
-
-
-class SqliteJobStore(SqlJobStore):
-    def __init__(self, path: str) -> None:
-        """`path` is a file path or ":memory:"."""
-        super().__init__(SqliteDatabase(path))
 
 
 def _enable_wal(conn: sqlite3.Connection) -> None:

@@ -8,7 +8,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 
-from service.jobs.store import Job, JobEvent, JobStore
+from service.jobs.records import Job, JobEvent
+from service.jobs.store import JobStore
 
 EVENTS_PER_READ = 256
 

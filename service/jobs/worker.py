@@ -16,9 +16,10 @@ import socket
 import uuid
 from collections.abc import Callable
 
-from service.http.state import AppState
+from service.jobs.records import Job
 from service.jobs.run import JobRun, WorkerOptions
-from service.jobs.store import Job, JobStore
+from service.jobs.store import JobStore
+from service.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def new_worker_id() -> str:
 
 
 class JobWorker:
-    def __init__(self, store: JobStore, state: AppState, options: WorkerOptions,
+    def __init__(self, store: JobStore, state: ServerState, options: WorkerOptions,
                  on_persisted: Callable[[str], None], on_finished: Callable[[Job], None]) -> None:
         self.store, self.state, self.options = store, state, options
         self.worker_id = new_worker_id()

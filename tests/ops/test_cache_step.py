@@ -131,7 +131,8 @@ def random_step(seed: int, device: torch.device) -> None:
         ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)])
         ids[torch.rand(ids.shape, generator=g) < 0.1] = -1
         weights, x = torch.rand(tokens, top_k, generator=g), torch.randn(tokens, 32, generator=g)
-        ref, fused = clone(base), cs.SlotTables(*(on(getattr(base, f).clone()) for f in cs.SlotTables.__dataclass_fields__))
+        ref = clone(base)
+        fused = cs.SlotTables(*(on(getattr(base, f).clone()) for f in cs.SlotTables.__dataclass_fields__))
         rec_ref = torch.zeros(40, 3, 4, dtype=torch.int32)[:, :, row]  # a layer's strided part
         rec_fused = on(torch.zeros(40, 3, 4, dtype=torch.int32))[:, :, row]
         job_ref = cs.CpuJob.allocate(8, top_k, 32, pin=False)

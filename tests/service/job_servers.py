@@ -14,9 +14,9 @@ from typing import Any
 
 import aiohttp
 
-from service.http import Limits
 from service.jobs.run import WorkerOptions
 from service.jobs.runtime import JobOptions
+from service.openai.limits import Limits
 from service.server import ServeOptions
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import pytest
 from job_servers import ServerThread, engine_config, greedy, grpc_options, grpc_target, poll
 
 from service.grpc_api.stubs import Stubs
-from service.http import Limits
+from service.openai.limits import Limits
 
 
 def sampling(stubs: Stubs, **fields: Any) -> Any:

@@ -13,7 +13,7 @@ from openai import AsyncOpenAI
 
 from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.synth import PRESETS, write_synth
-from service.http import Limits
+from service.openai.limits import Limits
 from service.server import ServeOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
-from service.jobs import Job, JobStore
+from service.jobs import Job, JobStore, open_store
+from service.jobs.db import Tx
 
 LONG_LEASE_S = 30.0
 SHORT_LEASE_S = 0.2
@@ -146,3 +149,28 @@ def test_lease_must_be_positive(store: JobStore) -> None:
     with pytest.raises(ValueError, match="lease_s"):
         store.claim("w1", 0)
     assert store.counts()["queued"] == 1
+
+
+def test_a_job_submitted_while_a_claim_begins_is_not_started_before_it_was_created(
+        postgres_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim's transaction opens, a job is submitted and committed, then the claim takes it: the claim's
+    times are its statements' own, not its transaction's older start."""
+    claimer, submitter = open_store(postgres_url), open_store(postgres_url)
+    begin = claimer._db.transaction
+    submitted: list[Job] = []
+
+    @contextmanager
+    def submitting_while_open(*, write: bool = True) -> Iterator[Tx]:
+        with begin(write=write) as tx:
+            time.sleep(0.05)
+            submitted.append(submitter.create("chat", {"messages": []}))
+            yield tx
+
+    monkeypatch.setattr(claimer._db, "transaction", submitting_while_open)
+    try:
+        job = claimer.claim("w1", LONG_LEASE_S)
+        assert job is not None and job.id == submitted[0].id
+        assert job.started_at is not None and job.started_at >= job.created_at
+    finally:
+        claimer.close()
+        submitter.close()

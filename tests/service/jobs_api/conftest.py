@@ -13,7 +13,7 @@ import pytest
 from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.synth import PRESETS, write_synth
 from service.grpc_api.stubs import Stubs, load
-from service.http import Limits
+from service.openai.limits import Limits
 from service.server import ServeOptions
 
 SERVICE_TESTS = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import pytest
 from job_servers import ServerThread, engine_config, get_json, greedy, job_options, wait_job
 
 from service.grpc_api.stubs import Stubs
-from service.http import Limits
+from service.openai.limits import Limits
 from service.server import ServeOptions
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.gguf.tokenizer import Tokenizer
 from engine.types import RequestOutput, TokenLogprob
-from service.http.params import Generation
+from service.openai.requests import Generation
 
 JsonObject = dict[str, Any]
 

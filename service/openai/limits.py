@@ -5,22 +5,31 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from service.http.errors import ApiError
+from service.openai.errors import ApiError
 
 
 @dataclass(frozen=True)
 class Limits:
-    max_tokens: int = 4096  # the largest max_tokens a request may ask for
-    max_concurrent_requests: int = 64  # generation requests handed to the engine at once
-    max_queued_requests: int = 256  # more may wait for a turn; past that, 429
-    max_body_bytes: int = 1 << 20
-    max_stop_strings: int = 16
-    max_n: int = 8  # choices of one request (n x prompts)
+    max_tokens: int = field(default=4096, metadata={
+        "flag": "--max-tokens-limit", "metavar": "N", "help": "the largest max_tokens a request may ask for"})
+    max_concurrent_requests: int = field(default=64, metadata={
+        "flag": "--max-concurrent-requests", "metavar": "N", "help": "generation requests handed to the engine "
+        "at once"})
+    max_queued_requests: int = field(default=256, metadata={
+        "flag": "--max-queued-requests", "metavar": "N", "help": "requests waiting for a turn beyond the "
+        "concurrent ones; more get 429"})
+    max_body_bytes: int = field(default=1 << 20, metadata={
+        "flag": "--max-body-bytes", "metavar": "N", "help": "larger request bodies get 413"})
+    max_stop_strings: int = field(default=16, metadata={
+        "flag": "--max-stop-strings", "metavar": "N", "help": "stop strings of one request"})
+    max_n: int = field(default=8, metadata={
+        "flag": "--max-n", "metavar": "N", "help": "choices per request (n x prompts)"})
+    max_cache_listeners: int = 32  # clients of the public /v1/cache/events at once; more get 429
 
     def __post_init__(self) -> None:
-        positive = ("max_tokens", "max_concurrent_requests", "max_body_bytes", "max_n")
+        positive = ("max_tokens", "max_concurrent_requests", "max_body_bytes", "max_n", "max_cache_listeners")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")

@@ -1,4 +1,8 @@
-"""OpenAI request bodies -> typed generation jobs; a wrong field is a 400 that names it."""
+"""OpenAI request bodies -> typed generation requests; a wrong field is a 400 that names it.
+
+Every check the engine would make (vocabulary, context length, empty prompt) is made here too, so a
+request is refused when it is submitted, whichever way it came: HTTP, gRPC, a job, a batch line.
+"""
 
 from __future__ import annotations
 
@@ -7,60 +11,24 @@ from typing import Any
 
 from engine.gguf.tokenizer import Tokenizer
 from engine.types import Request, SamplingParams
-from service.http.errors import ApiError, bad_request
-from service.http.limits import Limits
+from service.openai.body import Body, check_value
+from service.openai.errors import ApiError, bad_request
+from service.openai.kinds import Kind
+from service.openai.limits import Limits
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SEED = 2**63 - 1
 UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions")
 
 
-class Body:
-    """Typed reads of a JSON object's optional fields: null or absent gives the default."""
+@dataclass(frozen=True)
+class ServedModel:
+    """What reading a request needs to know of the loaded model and the server's limits."""
 
-    def __init__(self, data: dict[str, Any]) -> None:
-        self.data = data
-
-    def raw(self, name: str) -> Any:
-        return self.data.get(name)
-
-    def integer(self, name: str, default: int | None = None) -> int | None:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad_request(f"{name} must be an integer (got {value!r})", name)
-        return value
-
-    def number(self, name: str, default: float) -> float:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise bad_request(f"{name} must be a number (got {value!r})", name)
-        return float(value)
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise bad_request(f"{name} must be true or false (got {value!r})", name)
-        return value
-
-    def string(self, name: str, default: str | None = None) -> str | None:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            raise bad_request(f"{name} must be a string (got {value!r})", name)
-        return value
-
-    def obj(self, name: str) -> Body:
-        value = self.data.get(name)
-        if value is not None and not isinstance(value, dict):
-            raise bad_request(f"{name} must be an object", name)
-        return Body(value or {})
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    limits: Limits
 
 
 @dataclass(frozen=True)
@@ -90,38 +58,82 @@ class Generation:
         return self.params if seed is None or i == 0 else replace(self.params, seed=(seed + i) % MAX_SEED)
 
 
+def read_generation(kind: Kind, data: dict[str, Any], model: ServedModel, *, any_model: bool = False) -> Generation:
+    """The generation of a `/v1/completions` or `/v1/chat/completions` body. `any_model`: skip the model
+    name check (a stored job runs on any replica serving its model)."""
+    check_value(data)
+    body = Body(data)
+    if not any_model:
+        check_model(body, model.name)
+    generation = parse_chat(body, model) if kind == "chat" else parse_completion(body, model)
+    check_prompts(generation, model)
+    return generation
+
+
 def check_model(body: Body, served: str) -> None:
-    model = body.string("model")
-    if model is not None and model != served:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served!r}", "model",
+    name = body.string("model")
+    if name is not None and name != served:
+        raise ApiError(404, f"the model {name[:100]!r} does not exist; this server serves {served!r}", "model",
                        "model_not_found")
 
 
-def parse_completion(body: Body, tokenizer: Tokenizer, limits: Limits) -> Generation:
+def check_prompts(generation: Generation, model: ServedModel) -> None:
+    """The engine's own checks, made before the request is queued anywhere."""
+    max_tokens, limit = generation.params.max_tokens, model.max_model_len
+    for prompt in generation.prompts:
+        if not prompt:
+            raise bad_request("the prompt is empty", "prompt")
+        if min(prompt) < 0 or max(prompt) >= model.tokenizer.vocab_size:
+            raise bad_request(f"prompt token ids must be in [0, {model.tokenizer.vocab_size})", "prompt")
+        if len(prompt) + max_tokens > limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens; the prompt has {len(prompt)} "
+                              f"tokens and max_tokens is {max_tokens} ({len(prompt) + max_tokens} in all)",
+                              "max_tokens", "context_length_exceeded")
+
+
+def parse_completion(body: Body, model: ServedModel) -> Generation:
     _check_unsupported(body)
-    prompts = completion_prompts(body.raw("prompt"), tokenizer)
+    prompts = completion_prompts(body.raw("prompt"), model.tokenizer)
     logprobs, echo = body.integer("logprobs"), body.boolean("echo", False)
     # vLLM's prompt_logprobs, or OpenAI's legacy echo + logprobs: the prompt tokens' logprobs as well
     prompt_logprobs = body.integer("prompt_logprobs", logprobs if echo else None)
     if body.raw("prompt_logprobs") is not None and body.boolean("stream", False):
         raise bad_request("prompt_logprobs does not stream; use echo with logprobs", "prompt_logprobs")
-    params = sampling_params(body, limits, COMPLETION_DEFAULT_MAX_TOKENS, logprobs, prompt_logprobs)
-    return replace(_generation(body, prompts, params, limits), echo=echo,
+    params = sampling_params(body, model.limits, COMPLETION_DEFAULT_MAX_TOKENS, logprobs, prompt_logprobs)
+    return replace(_generation(body, prompts, params, model.limits), echo=echo,
                    tokens_as_ids=body.boolean("return_tokens_as_token_ids", False))
 
 
-def parse_chat(body: Body, tokenizer: Tokenizer, limits: Limits, max_model_len: int) -> Generation:
+def parse_chat(body: Body, model: ServedModel) -> Generation:
     _check_unsupported(body)
     for name in ("echo", "prompt_logprobs"):
         if body.raw(name):
             raise bad_request(f"{name} is for prompts: use /v1/completions", name)
-    try:
-        prompt = tuple(tokenizer.encode_chat(chat_messages(body.raw("messages"))))
-    except ValueError as error:  # the template refused the conversation
-        raise bad_request(str(error), "messages") from None
-    default_max_tokens = max(1, min(limits.max_tokens, max_model_len - len(prompt)))
+    prompt = tuple(encode_chat(model.tokenizer, chat_messages(body.raw("messages"))))
+    limits = model.limits
+    default_max_tokens = max(1, min(limits.max_tokens, model.max_model_len - len(prompt)))
     params = sampling_params(body, limits, default_max_tokens, chat_logprobs(body))
     return _generation(body, (prompt,), params, limits)
+
+
+def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt)
+    except ValueError as error:  # the template refused the conversation
+        raise bad_request(str(error), "messages") from None
+
+
+def tokenize_request(data: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    """`/tokenize`: `{"prompt": str, "add_special"}` or `{"messages": [...], "add_generation_prompt"}`."""
+    check_value(data)
+    body = Body(data)
+    if body.raw("messages") is not None:
+        messages = chat_messages(body.raw("messages"))
+        return encode_chat(tokenizer, messages, body.boolean("add_generation_prompt", True))
+    prompt = body.string("prompt")
+    if prompt is None:
+        raise bad_request("give prompt (a string) or messages", "prompt")
+    return tokenizer.encode(prompt, add_special=body.boolean("add_special", True))
 
 
 def _generation(body: Body, prompts: tuple[tuple[int, ...], ...], params: SamplingParams,
