@@ -81,7 +81,7 @@ def moe_forward(moe_index: int, layer: int, x: torch.Tensor, w: MoE, router: Rou
     return out
 
 
-def flatten_pairs(expert_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def flatten_pairs(expert_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`[tokens, top_k]` routing -> per-pair token ids, expert ids and weights `[tokens * top_k]`."""
     num_tokens, top_k = expert_ids.shape
     return pair_tokens(num_tokens, top_k, expert_ids.device), expert_ids.flatten(), weights.flatten().float()

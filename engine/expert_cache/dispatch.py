@@ -18,7 +18,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.expert_cache.cpu_tasks import CpuTasks
-from engine.expert_cache.manager import Change, CacheManager
+from engine.expert_cache.manager import CacheManager, Change
 from engine.expert_cache.record import HIT, LANDED, ON_CPU, PAD, STAGED, RecordBuffers, StepRecord
 from engine.expert_cache.staging import LayerStager
 from engine.moe import flatten_pairs

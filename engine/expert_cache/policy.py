@@ -26,7 +26,6 @@ flight holds its slot), so no slot is ever given twice.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -337,7 +336,7 @@ class LruPolicy(CachePolicy):
         room = max(self.group.num_slots - int(hits.sum()), 0)
         missed = np.nonzero(~hits)[0]
         missed = missed[np.argsort(-step.counts[missed], kind="stable")][:room]  # most used in the step first
-        free = list(np.nonzero(self.owner < 0)[0])
+        free: list[int] = np.nonzero(self.owner < 0)[0].tolist()
         victims = iter(self._victims(np.array([len(missed) - len(free)]), step, np.zeros(0, np.int64)).tolist()) \
             if len(missed) > len(free) else iter(())
         for i in missed.tolist():

@@ -68,7 +68,8 @@ DEFAULT_CONFIG = LaunchConfig()
 def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                        tables: ExpertTables, out: torch.Tensor | None = None,
                        config: LaunchConfig = DEFAULT_CONFIG, fill: Fill | None = None,
-                       extra: torch.Tensor | None = None, extra_ready: Callable[[], None] | None = None) -> torch.Tensor:
+                       extra: torch.Tensor | None = None,
+                       extra_ready: Callable[[], None] | None = None) -> torch.Tensor:
     """x `[tokens, hidden]` (bf16/fp16/fp32); token_ids, expert_ids (int32/int64), weights `[pairs]`
     -> float32 `[tokens, hidden]`, or written into `out` if given (float32 or 16-bit). Pairs with expert
     id -1 (or out of range, or a pointer <= 0) are skipped. Q4_K, Q5_K, Q6_K and Q8_0 run dedicated

@@ -57,12 +57,12 @@ class RunSettings:
 class CacheDelta:
     """What the expert cache counted over a span of steps."""
 
-    hits: int
-    misses: int
-    uploaded_bytes: int
-    streamed_bytes: int
-    cpu_experts: int
-    promotions: int = 0  # experts taken into the cache: landed misses and uploads
+    hits: float
+    misses: float
+    uploaded_bytes: float
+    streamed_bytes: float
+    cpu_experts: float
+    promotions: float = 0  # experts taken into the cache: landed misses and uploads
     cpu_seconds: float = 0.0  # the CPU's time on missed experts
 
     @classmethod
@@ -95,7 +95,7 @@ class Phase:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds
 
-    def per_token(self, count: int) -> float:
+    def per_token(self, count: float) -> float:
         return count / self.tokens
 
 

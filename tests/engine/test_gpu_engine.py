@@ -14,7 +14,6 @@ import torch
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.expert_cache.cache import ExpertCache, build_expert_cache
 from engine.expert_cache.record import HIT, LANDED, STAGED
-from ops.cache_step import PUBLISH
 from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.llm_engine import LLMEngine
@@ -22,6 +21,7 @@ from engine.model import SeqSpan
 from engine.moe import ReferenceExperts
 from engine.types import Request, SamplingParams
 from engine.weights import ModelWeights, load_weights
+from ops.cache_step import PUBLISH
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

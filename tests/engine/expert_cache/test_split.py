@@ -28,7 +28,7 @@ def test_hybrid_share_follows_the_measured_cpu_rate(bank) -> None:  # noqa: ANN0
     split.link_gbps = 10.0
     work = CpuWork()
     shares = []
-    for step in range(12):  # the CPU reads 30 GB/s: the device should stream 10 / (10 + 30) of the misses
+    for _ in range(12):  # the CPU reads 30 GB/s: the device should stream 10 / (10 + 30) of the misses
         work = CpuWork(work.calls + 1, 0, 0, work.bytes + 30_000_000, work.busy_seconds + 0.001)
         shares.append(split.update(work))
     assert [s for s in shares if s is not None] == [pytest.approx(0.25)]
