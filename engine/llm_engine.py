@@ -225,12 +225,11 @@ class LLMEngine:
         budget = self.scheduler.config.max_num_batched_tokens
         for start in range(0, len(ids) - 1, budget):
             chunk = ids[start:min(start + budget, len(ids) - 1)]
-            out: list[torch.Tensor] = []
-            # NOTE: forward calls `consume` before it returns, so the lambda reads this iteration's `out`.
-            self.forward([SeqSpan(0, start, len(chunk))], [chunk], ["score"] * len(chunk),
-                         lambda logits: out.append(torch.log_softmax(logits, dim=-1)), [first])  # noqa: B023
+            logprobs: list[torch.Tensor] = []
+            self.forward([SeqSpan(0, start, len(chunk))], [chunk], ["score"] * len(chunk), _log_softmax_into(logprobs),
+                         [first])
             if start + len(chunk) > first:  # else the one row computed is the chunk's last, before `first`
-                rows.append(out[0])
+                rows.append(logprobs[0])
         self.cache.flush()
         return torch.cat(rows)
 
@@ -357,6 +356,10 @@ class LLMEngine:
             log.info(line)
         if self.config.cache.record_trace and self.trace_streams:
             self.save_trace(self.config.cache.record_trace)
+
+
+def _log_softmax_into(rows: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+    return lambda logits: rows.append(torch.log_softmax(logits, dim=-1))
 
 
 def _bytes_progress(progress: Callable[[str, int, int], None] | None,

@@ -27,8 +27,8 @@ import torch
 
 # outcome of a pair in the step record
 PAD, HIT, STAGED, LANDED, ON_CPU = -1, 0, 1, 2, 3
-# host changes applied by `begin_step`: (kind, a, b, c) rows of int64
-# PUBLISH (row, expert, slot) | UNPUBLISH (row, expert, -) | OFFER (ring, pos, slot) | TAIL (ring, tail, -)
+# host changes applied by `begin_step`, (kind, a, b, c) rows of int64: PUBLISH (row, expert, slot),
+# UNPUBLISH (row, expert, -), OFFER (ring, position, slot), TAIL (ring, tail, -)
 PUBLISH, UNPUBLISH, OFFER, TAIL = 0, 1, 2, 3
 PARTS = 3  # gate, up, down
 

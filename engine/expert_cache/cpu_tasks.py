@@ -61,8 +61,8 @@ class PythonTask:
 
     @property
     def counters(self) -> TaskCounters:
-        calls, pairs, experts, num_bytes, busy_ns = self._counts
-        return TaskCounters(calls, pairs, experts, num_bytes, busy_ns, error=0)
+        calls, pairs, experts, moved, busy = self._counts
+        return TaskCounters(calls, pairs, experts, moved, busy, 0)
 
 
 def make_task(bank: ExpertWeights, job: CpuJob, num_threads: int) -> Task:

@@ -126,8 +126,7 @@ class CacheManager:
         for gid, promotion in queued:
             by_group.setdefault(gid, []).append(promotion)
         for gid, promotions in by_group.items():
-            pool = self.pools[gid]
-            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device part, host part)
+            pool, pairs = self.pools[gid], list[tuple[torch.Tensor, torch.Tensor]]()
             for p in promotions:
                 pairs += zip(expert_parts(pool, p.slot), expert_parts(self.host[p.layer], p.expert))
                 self._uploading[(gid, p.slot)] = (p.layer, p.expert)

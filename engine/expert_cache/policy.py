@@ -336,7 +336,7 @@ class LruPolicy(CachePolicy):
         room = max(self.group.num_slots - int(hits.sum()), 0)
         missed = np.nonzero(~hits)[0]
         missed = missed[np.argsort(-step.counts[missed], kind="stable")][:room]  # most used in the step first
-        free = np.nonzero(self.owner < 0)[0].tolist()
+        free: list[int] = np.nonzero(self.owner < 0)[0].tolist()
         victims = iter(self._victims(np.array([len(missed) - len(free)]), step, np.zeros(0, np.int64)).tolist()) \
             if len(missed) > len(free) else iter(())
         for i in missed.tolist():

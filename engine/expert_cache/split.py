@@ -16,7 +16,7 @@ from engine.expert_cache.device import empty_bank
 from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
 
 
-def _seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+def _seconds(fn: Callable[[], None], repeats: int = 3) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -45,7 +45,10 @@ def measure_cpu_gbps(bank: ExpertWeights, num_experts: int = 8) -> float:
     experts = torch.arange(min(num_experts, bank.gate.shape[0]))
     x = torch.randn(1, bank.hidden)
     tokens, weights = torch.zeros_like(experts), torch.full((len(experts),), 1.0 / len(experts))
-    seconds = _seconds(lambda: expert_ffn_cpu(x, tokens, experts, weights, bank))
+    def run() -> None:
+        expert_ffn_cpu(x, tokens, experts, weights, bank)
+
+    seconds = _seconds(run)
     return len(experts) * bank.expert_bytes / seconds / 1e9
 
 

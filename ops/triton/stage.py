@@ -43,6 +43,12 @@ class Fill:
 
 
 @triton.jit
+def _bytes_at(address):
+    """An int64 address (16-byte aligned) as a byte pointer."""
+    return tl.multiple_of(address.to(tl.pointer_type(tl.uint8)), 16)
+
+
+@triton.jit
 def copy_span(src, dst, num_bytes, BLOCK: tl.constexpr):
     """Copy `num_bytes` from address `src` to address `dst` (both int64, 16-byte aligned)."""
     offsets = tl.arange(0, BLOCK)
@@ -71,14 +77,10 @@ def fill_rows2(flags, src_a, dst_a, src_b, dst_b, expert, row0, num_rows, row_by
     if tl.load(flags + expert) != 0:
         offsets = tl.arange(0, BLOCK)
         size_a, size_b = num_rows * row_bytes_a, num_rows * row_bytes_b
-        sa = tl.multiple_of((tl.load(src_a + expert) + row0.to(tl.int64) * row_bytes_a).to(tl.pointer_type(tl.uint8)),
-                            16)
-        da = tl.multiple_of((tl.load(dst_a + expert) + row0.to(tl.int64) * row_bytes_a).to(tl.pointer_type(tl.uint8)),
-                            16)
-        sb = tl.multiple_of((tl.load(src_b + expert) + row0.to(tl.int64) * row_bytes_b).to(tl.pointer_type(tl.uint8)),
-                            16)
-        db = tl.multiple_of((tl.load(dst_b + expert) + row0.to(tl.int64) * row_bytes_b).to(tl.pointer_type(tl.uint8)),
-                            16)
+        sa = _bytes_at(tl.load(src_a + expert) + row0.to(tl.int64) * row_bytes_a)
+        da = _bytes_at(tl.load(dst_a + expert) + row0.to(tl.int64) * row_bytes_a)
+        sb = _bytes_at(tl.load(src_b + expert) + row0.to(tl.int64) * row_bytes_b)
+        db = _bytes_at(tl.load(dst_b + expert) + row0.to(tl.int64) * row_bytes_b)
         for start in range(0, tl.maximum(size_a, size_b), BLOCK):
             o = start + offsets
             a = tl.load(sa + o, mask=o < size_a, other=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -57,12 +57,12 @@ class RunSettings:
 class CacheDelta:
     """What the expert cache counted over a span of steps."""
 
-    hits: int
-    misses: int
-    uploaded_bytes: int
-    streamed_bytes: int
-    cpu_experts: int
-    promotions: int = 0  # experts taken into the cache: landed misses and uploads
+    hits: float
+    misses: float
+    uploaded_bytes: float
+    streamed_bytes: float
+    cpu_experts: float
+    promotions: float = 0  # experts taken into the cache: landed misses and uploads
     cpu_seconds: float = 0.0  # the CPU's time on missed experts
 
     @classmethod
@@ -71,11 +71,15 @@ class CacheDelta:
                    s.cpu_seconds)
 
     def minus(self, earlier: CacheDelta) -> CacheDelta:
-        return CacheDelta(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+        return CacheDelta(*(a - b for a, b in zip(_values(self), _values(earlier))))
 
     @property
     def hit_ratio(self) -> float:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+
+def _values(d: CacheDelta) -> tuple[float, ...]:
+    return d.hits, d.misses, d.uploaded_bytes, d.streamed_bytes, d.cpu_experts, d.promotions, d.cpu_seconds
 
 
 @dataclass(frozen=True)

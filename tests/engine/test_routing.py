@@ -6,12 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engine.expert_cache.plan import CachePlan, GroupPlan
 from engine.expert_cache.policy import PolicyConfig
 from engine.expert_cache.replay import replay
 from engine.routing import (
     LOCALITY_MODELS,
+    ReplayRouter,
     RoutingTrace,
     SyntheticSource,
     TraceError,
@@ -210,3 +212,19 @@ def test_parse_routing(tmp_path: Path) -> None:
         parse_routing("synthetic:gpt", 4, 8, 2)
     with pytest.raises(ValueError, match="expected model, trace:FILE"):
         parse_routing("random", 4, 8, 2)
+
+
+def test_replay_router_draws_ahead_without_changing_any_stream() -> None:
+    """The router draws each stream's next token while the device computes; the tokens a step gets are
+    those the stream would give without drawing ahead (a trace replays identically either way)."""
+    trace = synthetic_trace("qwen3", 4, 16, 2, 40, seed=3)
+    ahead = ReplayRouter(TraceSource(trace), 4, 8, 2, norm_topk=True, device=torch.device("cpu"))
+    plain = TraceSource(trace)
+    steps = [["a"] * 3, ["a"], ["a"], ["a", "b"], ["b", "a"], ["b"]]  # a prefill chunk, decode steps, a join
+    for keys in steps:
+        ahead.begin_step(keys)
+        got = ahead.ids[:len(keys)].numpy().transpose(1, 0, 2)  # [layers, tokens, top_k]
+        assert np.array_equal(got, plain.route(keys)), keys
+        ahead.while_running()
+    ahead.release("a")
+    assert "a" not in ahead._ahead

@@ -38,6 +38,10 @@ def clone(t: cs.SlotTables) -> cs.SlotTables:
     return cs.SlotTables(*(getattr(t, f).clone() for f in cs.SlotTables.__dataclass_fields__))
 
 
+def on_device(t: cs.SlotTables, to) -> cs.SlotTables:  # noqa: ANN001
+    return cs.SlotTables(*(to(getattr(t, f).clone()) for f in cs.SlotTables.__dataclass_fields__))
+
+
 def assign(t: cs.SlotTables, ids: list[list[int]], landing: bool = True, row: int = 0,
            job: cs.CpuJob | None = None) -> torch.Tensor:
     expert_ids = torch.tensor(ids)
@@ -131,8 +135,7 @@ def random_step(seed: int, device: torch.device) -> None:
         ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)])
         ids[torch.rand(ids.shape, generator=g) < 0.1] = -1
         weights, x = torch.rand(tokens, top_k, generator=g), torch.randn(tokens, 32, generator=g)
-        ref = clone(base)
-        fused = cs.SlotTables(*(on(getattr(base, f).clone()) for f in cs.SlotTables.__dataclass_fields__))
+        ref, fused = clone(base), on_device(base, on)
         rec_ref = torch.zeros(40, 3, 4, dtype=torch.int32)[:, :, row]  # a layer's strided part
         rec_fused = on(torch.zeros(40, 3, 4, dtype=torch.int32))[:, :, row]
         job_ref = cs.CpuJob.allocate(8, top_k, 32, pin=False)
@@ -158,7 +161,7 @@ def random_step(seed: int, device: torch.device) -> None:
         if kind in (cs.PUBLISH, cs.UNPUBLISH):
             record[:, 1, row][record[:, 0, row] == expert] = cs.STAGED
     header = torch.tensor([5, int(torch.randint(0, 33, (1,), generator=g))])
-    ref, fused = clone(base), cs.SlotTables(*(on(getattr(base, f).clone()) for f in cs.SlotTables.__dataclass_fields__))
+    ref, fused = clone(base), on_device(base, on)
     cs.begin_step_torch(ref, record, header, changes)
     from ops.triton.cache_step import begin_step
     pin = device.type == "cuda"

@@ -1,0 +1,50 @@
+"""The packages depend one way, service -> engine -> ops: every module of `ops` imported into a fresh
+interpreter pulls in no `engine` or `service` module, and every module of `engine` no `service` module."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FORBIDDEN = {"ops": ("engine", "service"), "engine": ("service",)}
+
+
+def modules(package: str) -> list[str]:
+    found = [package]
+    for info in pkgutil.walk_packages([str(ROOT / package)], prefix=f"{package}."):
+        if not info.name.split(".")[-1].startswith("_"):
+            found.append(info.name)
+    return found
+
+
+CHECK = """
+import importlib, sys
+for module in {modules!r}:
+    importlib.import_module(module)
+    bad = sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r})
+    if bad:
+        print(module, 'pulls in', ', '.join(bad))
+        break
+"""
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_a_package_never_imports_the_layers_above_it(package: str) -> None:
+    names = [m for m in modules(package) if _has_triton() or not m.startswith("ops.triton")]
+    code = CHECK.format(modules=names, forbidden=FORBIDDEN[package])
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not result.stdout.strip(), f"{package} imports a layer above it: {result.stdout.strip()}"
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
