@@ -25,7 +25,12 @@ def modules(package: str) -> list[str]:
 CHECK = """
 import importlib, sys
 for module in {modules!r}:
-    importlib.import_module(module)
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:  # an optional package (Triton) that is not installed
+        if e.name != 'triton':
+            raise
+        continue
     bad = sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r})
     if bad:
         print(module, 'pulls in', ', '.join(bad))
@@ -35,16 +40,7 @@ for module in {modules!r}:
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_a_package_never_imports_the_layers_above_it(package: str) -> None:
-    names = [m for m in modules(package) if _has_triton() or not m.startswith("ops.triton")]
-    code = CHECK.format(modules=names, forbidden=FORBIDDEN[package])
+    code = CHECK.format(modules=modules(package), forbidden=FORBIDDEN[package])
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert not result.stdout.strip(), f"{package} imports a layer above it: {result.stdout.strip()}"
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
