@@ -30,7 +30,7 @@ from engine.weights import ModelWeights, expert_bytes, load_weights
 from ops.cache_step import begin_step_torch
 
 CPU = torch.device("cpu")
-TOLERANCE = 4e-2  # int8 activations in the native CPU kernel (~1.6%); one missing or doubled pair moves ~40%
+TOLERANCE = 1e-3  # the native CPU kernel: ~1e-4 (two int8 activation planes); one missing or doubled pair moves ~40%
 MAX_TOKENS = 64
 
 
