@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ops import native
-from ops.cpu_experts import ExpertTask, ExpertWeights, NativeExperts, QType, load_native, random_expert_weights
+from ops.bank import ExpertWeights, random_expert_weights
+from ops.cpu_experts import ExpertTask, NativeExperts, QType, load_native
 
 FORMATS = [
     (QType.Q4_K, QType.Q4_K, QType.Q4_K),
