@@ -486,4 +486,4 @@ def _add_group(llm: LLMEngine, requests: Sequence[Request]) -> RequestError | No
 
 
 def _has_slot(llm: LLMEngine, request_id: str) -> bool:
-    return not llm.scheduler.is_waiting(request_id)  # or gone: it finished or was aborted
+    return not llm.scheduler.is_waiting(request_id)  # also once it is gone (finished or aborted)
