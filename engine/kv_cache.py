@@ -19,12 +19,6 @@ class KVCache:
     def num_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    @staticmethod
-    def bytes_needed(num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_slots * num_kv_heads * max_len * head_dim * itemsize
-
     def write(self, layer: int, slot_ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """k, v: `[tokens, kv_heads, head_dim]` stored at (slot, position) of each token."""

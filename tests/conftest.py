@@ -8,9 +8,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moecache` sets it (se
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.synth import PRESETS, with_overrides, write_synth  # noqa: E402
 from tests.spm_vocab import spm_vocab  # noqa: E402
 from tests.vocab_files import VocabFiles  # noqa: E402
+from tools.synth import PRESETS, with_overrides, write_synth  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MOECACHE_SHARED_DATA", ROOT.parent / "shared" / "data"))

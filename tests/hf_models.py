@@ -11,8 +11,8 @@ import torch
 
 from engine.arch import get_arch
 from engine.arch.base import HParams
-from engine.gguf.writer import TensorSpec, tensor_from_float, write_gguf
 from ops.quants import QType, dequantize, quantize
+from tools.gguf_writer import TensorSpec, tensor_from_float, write_gguf
 
 ARCH_OF_MODEL = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe"}
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)

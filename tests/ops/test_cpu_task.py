@@ -12,15 +12,9 @@ import pytest
 import torch
 
 from ops import native
-from ops.cpu_experts import (
-    ExpertTask,
-    ExpertWeights,
-    NativeExperts,
-    QType,
-    expert_ffn_reference,
-    load_native,
-    random_expert_weights,
-)
+from ops.bank import ExpertWeights, random_expert_weights
+from ops.cpu_experts import ExpertTask, NativeExperts, QType, load_native
+from ops.expert_ffn import expert_ffn_reference
 from tests.ops.test_cpu_experts import assert_close
 
 FORMATS = [

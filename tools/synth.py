@@ -13,8 +13,8 @@ import torch
 
 from engine.arch import HParams, get_arch
 from engine.arch.base import GLOBAL_TENSORS, layer_tensor
-from engine.gguf.writer import TensorSpec, write_gguf
 from ops.quants import QType, format_of, random_blocks
+from tools.gguf_writer import TensorSpec, write_gguf
 
 TOKEN_TYPE_UNUSED = 5
 

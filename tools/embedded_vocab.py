@@ -1,7 +1,7 @@
 """Tokenizer metadata for the embedded default model, trained offline-free from a shipped corpus.
 
 A byte-level BPE with Qwen2's pre-tokenizer and ChatML special tokens, trained by `tokenizers` on
-`engine.gguf.corpus`. The result is a GGUF-style metadata mapping, so the model's tokenizer goes
+`tools.corpus`. The result is a GGUF-style metadata mapping, so the model's tokenizer goes
 through the same `Tokenizer.from_metadata` as any GGUF file.
 """
 
@@ -16,9 +16,9 @@ from tokenizers import pre_tokenizers, trainers
 from tokenizers.models import BPE
 
 from engine.gguf.chat import CHATML_TEMPLATE
-from engine.gguf.corpus import CORPUS
 from engine.gguf.pretokenizers import build_pre_tokenizer, pre_tokenizer_spec
 from engine.gguf.vocab import TokenType
+from tools.corpus import CORPUS
 
 VOCAB_SIZE = 4096
 PRE_TOKENIZER = "qwen2"
