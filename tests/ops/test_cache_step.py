@@ -154,6 +154,7 @@ def random_step(seed: int, device: torch.device) -> None:
             assert torch.equal(getattr(job_ref, f), getattr(job_fused, f)), f
     record = torch.randint(-1, 4, (32, 3, 4), generator=g, dtype=torch.int32)
     record[:, 0] = torch.stack([torch.randperm(E, generator=g).repeat(2) for _ in range(4)]).T
+    record[E:, 1][record[E:, 1] == cs.LANDED] = cs.HIT  # an expert lands once a step: its misses are deduped
     changes = torch.tensor([[0, 1, 3, 40], [1, 2, 5, 0], [2, 1, 13, 77], [3, 1, 14, 0], [0, 3, 9, 11], [9] * 4])
     # NOTE: the host never changes an expert that landed in the previous step (it has not seen that step):
     # the kernel applies both at once, in no order
