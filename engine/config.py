@@ -74,6 +74,9 @@ class CacheConfig:
     free_slots: int = field(default=0, metadata={  # 0: from the ring's recent misses
         "flag": "--cache-free-slots", "metavar": "N",
         "help": "free slots each ring of the cache offers to landing misses (0: twice its recent misses)"})
+    link_gbps: float | None = field(default=None, metadata={  # None: the machine's own link
+        "flag": "--link-gbps", "metavar": "GB/S",
+        "help": "simulate a slower host -> device link (benchmarks): every expert copy is held to this rate"})
     max_cached_batch: int = 32  # larger batches (prefill) stage experts instead of using the cache
     headroom_mib: int = field(default=1024, metadata={
         "flag": "--cache-headroom-mib", "metavar": "MIB", "help": "device memory the automatic budget leaves free"})
@@ -92,6 +95,8 @@ class CacheConfig:
         MissMode(self.miss_mode)
         if self.budget_mib is not None and self.budget_mib < 0:
             raise ValueError("cache budget must be >= 0 MiB")
+        if self.link_gbps is not None and not self.link_gbps > 0:
+            raise ValueError(f"--link-gbps must be > 0 (got {self.link_gbps})")
         if self.n_cpu_moe < 0 or self.promote_per_step < 1 or self.max_cached_batch < 1 or self.free_slots < 0:
             raise ValueError("n_cpu_moe >= 0, promote_per_step >= 1, max_cached_batch >= 1 and free_slots >= 0 "
                              "are required")

@@ -7,7 +7,8 @@ cache's tables, all on the device (no host sync, so the step stays one CUDA grap
   using it) into a free slot taken from the layer's ring of offered slots (it *lands*: the copy is the
   cache's promotion, the bytes cross PCIe once) or, when the ring is empty, into its staging row; or
   computed by the CPU (its pointers 0, so the device skips it; the layer's CPU job gets its pairs).
-  The hybrid split is by rank: the first `share x misses` missed experts (in pair order) are streamed.
+  The hybrid split is by rank: the first `share x misses + lead` missed experts (in pair order) are
+  streamed, so the CPU takes a layer's misses only when they outweigh its fixed cost (`lead`).
   It writes the layer's row of the step record: expert id, outcome and slot of every pair.
 - `begin_step` (once per step, before the first layer): publishes the previous step's landings
   (state := slot) and applies the host's changes (publish, unpublish, offer slots, ring tail), which
@@ -50,6 +51,7 @@ class SlotTables:
     head: torch.Tensor  # int64 [rings]: next position the device takes (the device's)
     tail: torch.Tensor  # int64 [rings]: one past the last offered position (the host's)
     share: torch.Tensor  # float32 [layers]: share of a layer's missed experts the device streams (rest: CPU)
+    lead: torch.Tensor  # float32 [layers]: missed experts streamed before the share applies (the CPU's fixed cost)
 
     @property
     def num_experts(self) -> int:
@@ -112,10 +114,10 @@ def begin_step(tables: SlotTables, record: torch.Tensor, header: torch.Tensor, c
 # --- torch references -------------------------------------------------------------------------------------
 
 
-def _streamed_count(share: torch.Tensor, num_missed: int) -> int:
-    """round(share x misses), in float32 as the kernel computes it."""
-    value = (share.float() * torch.tensor(float(num_missed), dtype=torch.float32) + 0.5).floor()
-    return int(value)
+def _streamed_count(share: torch.Tensor, lead: torch.Tensor, num_missed: int) -> int:
+    """round(share x misses + lead), at most the misses, in float32 as the kernel computes it."""
+    value = (share.float() * torch.tensor(float(num_missed), dtype=torch.float32) + lead.float() + 0.5).floor()
+    return min(int(value), num_missed)
 
 
 def assign_experts_torch(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
@@ -129,7 +131,7 @@ def assign_experts_torch(row: int, expert_ids: torch.Tensor, weights: torch.Tens
         if 0 <= e < num_experts:
             first.setdefault(e, p)
     missed = [e for e, _ in sorted(first.items(), key=lambda kv: kv[1]) if int(state[e]) < 0]  # pair order
-    streamed = _streamed_count(tables.share[row].cpu(), len(missed))
+    streamed = _streamed_count(tables.share[row].cpu(), tables.lead[row].cpu(), len(missed))
     region = int(tables.region[row])
     head, tail = int(tables.head[region]), int(tables.tail[region])
     available = max(tail - head, 0) if landing else 0

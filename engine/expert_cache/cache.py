@@ -19,7 +19,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.expert_cache.cpu_tasks import CpuTasks, CpuWork
-from engine.expert_cache.device import bank_shape
+from engine.expert_cache.device import LinkCap, bank_shape
 from engine.expert_cache.dispatch import ExpertDispatcher
 from engine.expert_cache.manager import CacheManager
 from engine.expert_cache.observers import CacheObservers
@@ -27,7 +27,7 @@ from engine.expert_cache.placement import Placement, choose_placement
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
 from engine.expert_cache.profile import Profile
 from engine.expert_cache.record import StepRecord
-from engine.expert_cache.split import Split
+from engine.expert_cache.split import Split, measure_link_gbps
 from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot
 from engine.expert_cache.store import ExpertStore
 from ops.grouped_gemm import CHUNK_BYTES
@@ -43,13 +43,14 @@ class ExpertCache:
         self.placement, self.plan, self.cfg, self.stats, self.split, self.cpu = \
             placement, plan, cfg, stats, split, cpu
         self._pending: StepRecord | None = None
-        self._share: float | None = None  # a new hybrid split for the next step
+        self._split: tuple[float, float] | None = None  # a new hybrid (share, lead) for the next step
 
     # -- around each step ---------------------------------------------------------------------------------
     def prepare_step(self) -> None:
-        if self._share is not None:  # between steps: the device reads the share in every layer
-            self.manager.tables.share.fill_(self._share)
-            self._share = None
+        if self._split is not None:  # between steps: the device reads them in every layer
+            self.manager.tables.share.fill_(self._split[0])
+            self.manager.tables.lead.fill_(self._split[1])
+            self._split = None
         self.dispatcher.prepare(self.manager.changes())
 
     def launched(self) -> None:
@@ -64,7 +65,7 @@ class ExpertCache:
         if not record.is_prefill:  # NOTE: prefill never changes the cache
             self.manager.observe(record)
             if self.cpu is not None:
-                self._share = self.split.update(self.cpu.work()) or self._share
+                self._split = self.split.update(self.cpu.work()) or self._split
 
     def step_done(self) -> StepRecord:
         """Take the finished step's record (to be processed while the next step runs)."""
@@ -162,15 +163,26 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, max_tokens: int, mo
     device_path = on_device(device)
     cpu = CpuTasks(host, max_tokens, hp.top_k, hp.hidden, device, cfg.cpu_threads or default_cpu_threads(device)) \
         if cfg.mode.uses_cpu and host else None
-    split = Split(cfg.mode, device, next(iter(host.values()), None), device_path)
+    cap = link_cap(cfg, device)
+    split = Split(cfg.mode, device, next(iter(host.values()), None), device_path, link_cap_gbps=cfg.link_gbps,
+                  cpu=cpu)
     manager = CacheManager(host, plan, cfg, device, rows, len(moe_layers), hp.num_experts, stats, profile,
-                           split.share)
+                           (split.share, split.lead), cap)
     dispatcher = ExpertDispatcher(host, resident, manager, cfg, device, moe_layers, hp.top_k, max_tokens, cpu,
-                                  device_path)
+                                  device_path, cap)
     observers = CacheObservers(stats, plan, moe_layers, list(placement.host_layers),
                                {i: store.expert_bytes(i) for i in placement.host_layers}, num_layers,
                                hp.num_experts, profile=cfg.profile_out is not None)
     return ExpertCache(dispatcher, manager, observers, placement, plan, cfg, stats, split, cpu)
+
+
+def link_cap(cfg: CacheConfig, device: torch.device) -> LinkCap | None:
+    """The simulated slower link of `--link-gbps` (a CUDA device's: the CPU has no host link)."""
+    if cfg.link_gbps is None:
+        return None
+    if device.type != "cuda":
+        raise ValueError("--link-gbps simulates a slower host -> device link: it needs a CUDA device")
+    return LinkCap(cfg.link_gbps, measure_link_gbps(device))
 
 
 def staging_bytes(store: ExpertStore) -> int:

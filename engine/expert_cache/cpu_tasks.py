@@ -97,6 +97,7 @@ class CpuTasks:
         self.device = device
         self.job = CpuJob.allocate(max_tokens, top_k, hidden, pin=device.type == "cuda")
         self.tasks: dict[int, Task] = {layer: make_task(bank, self.job, num_threads) for layer, bank in host.items()}
+        self.num_experts = {layer: bank.num_experts for layer, bank in host.items()}
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def run(self, layer: int) -> None:
@@ -122,6 +123,29 @@ class CpuTasks:
         launch_host_func(self.side, task.function_address, task.address)
         side = self.side
         return lambda: main.wait_stream(side)
+
+    def device_seconds(self, layer: int, experts: int, repeats: int = 9) -> float:
+        """CUDA, native tasks: how long the device waits for the layer's task computing `experts` experts of one
+        token (other experts each time, so they come from DRAM), from its launch to its join; the median."""
+        from ops.triton import hold
+
+        job, main, times = self.job, torch.cuda.current_stream(self.device), []
+        pairs, n = job.expert_ids.shape[0], self.num_experts[layer]
+        top_k = pairs // job.x.shape[0]
+        for r in range(repeats):
+            torch.cuda.synchronize(self.device)
+            job.num_tokens[0], job.x[0] = 1, torch.randn(job.x.shape[1])
+            job.expert_ids[:top_k] = torch.tensor([(r * top_k + i) % n if i < experts else -1 for i in range(top_k)])
+            job.on_cpu[:top_k], job.weights[:top_k] = (job.expert_ids[:top_k] >= 0).to(torch.int32), 1.0
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            hold(200_000, self.device)  # the device waits here while the host queues what is timed
+            start.record(main)
+            self.launch(layer)()
+            end.record(main)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        job.num_tokens[0] = 0
+        return sorted(times)[len(times) // 2]
 
     def work(self) -> CpuWork:
         totals = [t.counters for t in self.tasks.values()]

@@ -14,11 +14,24 @@ import torch
 from ops.bank import ExpertWeights
 
 
+@dataclass(frozen=True)
+class LinkCap:
+    """A slower host link than the machine's, simulated (`--link-gbps`, CUDA only): each host -> device copy
+    of expert bytes is followed on its stream by a wait of the time the slower link would add."""
+
+    gbps: float
+    measured_gbps: float  # the machine's own link
+
+    def extra_ns(self, num_bytes: int) -> int:
+        """Bytes over GB/s are nanoseconds."""
+        return max(0, round(num_bytes / self.gbps - num_bytes / self.measured_gbps))
+
+
 class CopyEngine:
     """Asynchronous host -> device copies that never block the compute stream."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, cap: LinkCap | None = None) -> None:
+        self.device, self.cap = device, cap
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device=device)
         else:
@@ -29,12 +42,7 @@ class CopyEngine:
         if self.device.type == "cuda":
             # NOTE: slots may still be read by the step just launched: wait for it before overwriting.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            return CopyHandle(event=event)
+            return CopyHandle(event=self._copy_on_stream(pairs))
         return CopyHandle(future=self.thread.submit(_copy_all, pairs))
 
     def upload(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
@@ -43,9 +51,16 @@ class CopyEngine:
         stream, as `copy` waits): staging buffers wait only for their last reader."""
         if after is not None:
             self.stream.wait_event(after)
+        return self._copy_on_stream(pairs)
+
+    def _copy_on_stream(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+            if self.cap is not None:
+                from ops.triton import hold
+
+                hold(self.cap.extra_ns(sum(s.nbytes for _, s in pairs if s.device.type == "cpu")), self.device)
             event = torch.cuda.Event()
             event.record(self.stream)
         return event

@@ -18,6 +18,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.expert_cache.cpu_tasks import CpuTasks
+from engine.expert_cache.device import LinkCap
 from engine.expert_cache.manager import CacheManager, Change
 from engine.expert_cache.record import HIT, LANDED, ON_CPU, PAD, STAGED, RecordBuffers, StepRecord
 from engine.expert_cache.staging import LayerStager
@@ -36,9 +37,9 @@ class StepKind(enum.Enum):
 class ExpertDispatcher:
     def __init__(self, host: Mapping[int, ExpertWeights], resident: Mapping[int, ExpertWeights],
                  manager: CacheManager, cfg: CacheConfig, device: torch.device, moe_layers: list[int], top_k: int,
-                 max_tokens: int, cpu: CpuTasks | None, on_device: bool) -> None:
+                 max_tokens: int, cpu: CpuTasks | None, on_device: bool, cap: LinkCap | None = None) -> None:
         self.host, self.resident, self.manager, self.cfg, self.device = host, resident, manager, cfg, device
-        self.mode, self.top_k, self.cpu = cfg.mode, top_k, cpu
+        self.mode, self.top_k, self.cpu, self.cap = cfg.mode, top_k, cpu, cap
         self.rows = {layer: i for i, layer in enumerate(moe_layers)}
         self.record = RecordBuffers(len(moe_layers), max_tokens * top_k, device)
         resident_rows = [self.rows[layer] for layer in sorted(resident)]
@@ -139,7 +140,10 @@ class ExpertDispatcher:
                        landing=self.mode.streams, job=job)
         if not self.on_device:
             return self._decode_in_place(layer, x, expert_ids, weights)
-        from ops.triton import grouped_expert_ffn
+        from ops.triton import grouped_expert_ffn, hold_fills
+        if self.cap is not None and layer in self.fill:
+            hold_fills(expert_ids.reshape(-1), self.fill[layer].flags,
+                       self.cap.extra_ns(self.host[layer].expert_bytes))
         join: Callable[[], None] | None = self.cpu.launch(layer) if self.cpu is not None else None
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
         return grouped_expert_ffn(x, tokens, experts, pair_weights, self.cur[layer], torch.empty_like(x),

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from engine.config import CacheConfig
-from engine.expert_cache.device import CopyEngine, CopyHandle, bank_shape, empty_bank, expert_parts
+from engine.expert_cache.device import CopyEngine, CopyHandle, LinkCap, bank_shape, empty_bank, expert_parts
 from engine.expert_cache.plan import CachePlan
 from engine.expert_cache.policy import CachePolicy, Decision, PolicyConfig, Promotion, make_policy
 from engine.expert_cache.profile import Profile
@@ -36,7 +36,8 @@ class _Upload:
 class CacheManager:
     def __init__(self, host: Mapping[int, ExpertWeights], plan: CachePlan, cfg: CacheConfig, device: torch.device,
                  rows: Mapping[int, int], num_rows: int, num_experts: int, stats: CacheStats,
-                 profile: Profile | None = None, share: float = 1.0) -> None:
+                 profile: Profile | None = None, split: tuple[float, float] = (1.0, 0.0),
+                 cap: LinkCap | None = None) -> None:
         self.host, self.plan, self.cfg, self.device, self.rows, self.stats = host, plan, cfg, device, rows, stats
         self.groups = {g.group_id: g for g in plan.groups}
         self.group_of = {layer: g.group_id for g in plan.groups for layer in g.layers}
@@ -52,12 +53,12 @@ class CacheManager:
         self.staging = {shape: empty_bank(bank, bank.num_experts, device) for shape, bank in
                         {bank_shape(b): b for b in host.values()}.items()} if device.type == "cuda" and \
             cfg.mode.streams else {}
-        self.tables = self._tables(num_rows, num_experts, share)
+        self.tables = self._tables(num_rows, num_experts, split)
         self._group_rows = {gid: np.array([rows[x] for x in self.groups[gid].layers]) for gid in self.policies}
         self.published = np.full((num_rows, num_experts), -1, dtype=np.int32)  # what the device has or will have
         self.tail = np.zeros(self.no_ring + 1, dtype=np.int64)
         self.max_changes = 2 * plan.num_slots + 2 * len(self.ring_index) + 64
-        self.copies = CopyEngine(device)
+        self.copies = CopyEngine(device, cap)
         self._changes: dict[tuple, Change] = {}
         self._queued: list[tuple[int, Promotion]] = []  # uploads decided, started after the next launch
         self._uploads: list[_Upload] = []
@@ -68,7 +69,8 @@ class CacheManager:
             self._apply(gid, policy.start())
 
     # -- the device tables ----------------------------------------------------------------------------------
-    def _tables(self, num_rows: int, num_experts: int, share: float) -> SlotTables:
+    def _tables(self, num_rows: int, num_experts: int, split: tuple[float, float]) -> SlotTables:
+        """split: the hybrid (share, lead) of every layer (`engine.expert_cache.split`)."""
         host = torch.zeros((num_rows, 3, num_experts), dtype=torch.int64)
         staging, pool_base, pool_stride = torch.zeros_like(host), torch.zeros((num_rows, 3), dtype=torch.int64), \
             torch.zeros((num_rows, 3), dtype=torch.int64)
@@ -95,7 +97,8 @@ class CacheManager:
             ring=on(torch.zeros((self.no_ring + 1, max(capacity, 1)), dtype=torch.int32)),
             head=on(torch.zeros(self.no_ring + 1, dtype=torch.int64)),
             tail=on(torch.zeros(self.no_ring + 1, dtype=torch.int64)),
-            share=on(torch.full((num_rows,), share, dtype=torch.float32)))
+            share=on(torch.full((num_rows,), split[0], dtype=torch.float32)),
+            lead=on(torch.full((num_rows,), split[1], dtype=torch.float32)))
 
     # -- steps ------------------------------------------------------------------------------------------------
     def observe(self, record: StepRecord) -> None:

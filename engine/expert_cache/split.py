@@ -1,7 +1,10 @@
 """How `hybrid` mode splits a layer's missed experts between the device (copying them from pinned host
-memory, `ops.triton.stage`) and the CPU: in proportion to the two measured speeds, so both finish at
-about the same time. The device streams the first `share` of a layer's missed experts, in pair order
-(`ops.cache_step`); the engine re-measures the CPU as it runs (`CpuTasks.work`)."""
+memory, `ops.triton.stage`) and the CPU, so both finish at about the same time. With n missed experts of
+B bytes, the device streams s of them in s B / link; the CPU computes the rest in c + (n - s) B / cpu,
+where c is the fixed cost of the layer's CPU task (its start and join, as the device waits for them).
+Equal times give s = share n + lead, share = link / (link + CPU) and lead = c / (B / link + B / CPU): the
+device streams the first `share x n + lead` of a layer's missed experts, in pair order (`ops.cache_step`),
+so a layer with few misses streams them all. The engine re-measures the CPU as it runs (`CpuTasks.work`)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from engine.config import MissMode
-from engine.expert_cache.cpu_tasks import CpuWork
+from engine.expert_cache.cpu_tasks import CpuTasks, CpuWork
 from engine.expert_cache.device import empty_bank
 from ops.bank import ExpertWeights
 from ops.cpu_experts import expert_ffn_cpu
@@ -74,14 +77,27 @@ def measure_stream_gbps(bank: ExpertWeights, device: torch.device, num_experts: 
     return n * first.expert_bytes / _seconds(run) / 1e9
 
 
+def cpu_task_costs(tasks: CpuTasks, layer: int, top_k: int) -> tuple[float, float]:
+    """(fixed, per expert) seconds of a layer's CPU task as the device waits for it (CUDA, native tasks)."""
+    one = tasks.device_seconds(layer, 1)
+    if top_k < 2:
+        return 0.0, one
+    several = min(top_k, 4)
+    per = max((tasks.device_seconds(layer, several) - one) / (several - 1), 1e-7)
+    return max(one - per, 0.0), per
+
+
 class Split:
-    """The share of a layer's missed experts the device streams: 1 (stream), 0 (cpu), or for hybrid
-    link / (link + CPU), from a measurement of each on the model's expert shape at start, the CPU's rate
-    then re-measured from the CPU tasks' own counters every `every` decode steps."""
+    """The split of hybrid mode (module doc): `share` and `lead`, from the link and the CPU measured at start
+    (the CPU task's fixed cost on CUDA with native tasks, else none); the CPU's rate then re-measured from
+    the tasks' own counters every `every` decode steps. Stream mode streams every miss (share 1), cpu mode
+    none (share 0)."""
 
     def __init__(self, mode: MissMode, device: torch.device, bank: ExpertWeights | None, on_device: bool,
-                 every: int = 64) -> None:
-        self.every, self.link_gbps, self.cpu_gbps = every, 0.0, 0.0
+                 every: int = 64, link_cap_gbps: float | None = None, cpu: CpuTasks | None = None) -> None:
+        self.every, self.link_gbps, self.cpu_gbps, self.fixed_seconds = every, 0.0, 0.0, 0.0
+        self.expert_bytes = bank.expert_bytes if bank is not None else 0
+        self.lead = 0.0
         self._steps = 0
         self._last: CpuWork | None = None
         if not mode.uses_cpu:
@@ -90,15 +106,27 @@ class Split:
             self.share = 0.0
         else:
             self.link_gbps = measure_stream_gbps(bank, device) if on_device else measure_link_gbps(device)
-            self.cpu_gbps = measure_cpu_gbps(bank)
-            self.share = self.link_gbps / (self.link_gbps + self.cpu_gbps)
+            self.link_gbps = min(self.link_gbps, link_cap_gbps or self.link_gbps)
+            if on_device and cpu is not None and cpu.is_native:
+                top_k = cpu.job.expert_ids.shape[0] // cpu.job.x.shape[0]
+                self.fixed_seconds, per = cpu_task_costs(cpu, next(iter(cpu.tasks)), top_k)
+                self.cpu_gbps = bank.expert_bytes / per / 1e9
+            else:
+                self.cpu_gbps = measure_cpu_gbps(bank)
+            self.share, self.lead = self._split()
+
+    def _split(self) -> tuple[float, float]:
+        share = self.link_gbps / (self.link_gbps + self.cpu_gbps)
+        expert_seconds = self.expert_bytes / (self.link_gbps * 1e9) + self.expert_bytes / (self.cpu_gbps * 1e9)
+        return share, self.fixed_seconds / expert_seconds
 
     @property
     def is_hybrid(self) -> bool:
         return 0.0 < self.share < 1.0
 
-    def update(self, work: CpuWork) -> float | None:
-        """After a decode step: the new share when the CPU's measured rate moved it by more than 2 points."""
+    def update(self, work: CpuWork) -> tuple[float, float] | None:
+        """After a decode step: the new (share, lead) when the CPU's measured rate moved the share by more than
+        2 points."""
         if not self.is_hybrid:
             return None
         self._steps += 1
@@ -110,8 +138,8 @@ class Split:
         if busy <= 0 or moved <= 0:
             return None
         self.cpu_gbps = moved / busy / 1e9
-        share = self.link_gbps / (self.link_gbps + self.cpu_gbps)
+        share, lead = self._split()
         if abs(share - self.share) <= 0.02:
             return None
-        self.share = share
-        return share
+        self.share, self.lead = share, lead
+        return share, lead

@@ -31,6 +31,7 @@ CHANGES_BLOCK = 256
 def _assign_kernel(
     ids_ptr, weights_ptr, x_ptr, x_stride, num_pairs, top_k, hidden, row,
     state, cur, host, staging, fill, scratch, pool_base, pool_stride, region_of, ring, head_of, tail_of, share_of,
+    lead_of,
     num_experts, ring_capacity, record, pair_stride, field_stride,
     job_x, job_ids, job_weights, job_on_cpu, job_tokens,
     LANDING: tl.constexpr, JOB: tl.constexpr, DEDUP: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -53,8 +54,8 @@ def _assign_kernel(
     missed = is_first & (slot_now < 0)
     rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
     num_missed = tl.sum(missed.to(tl.int32), axis=0)
-    share = tl.load(share_of + row)
-    num_streamed = tl.floor(share * num_missed.to(tl.float32) + 0.5).to(tl.int32)
+    share, lead = tl.load(share_of + row), tl.load(lead_of + row)
+    num_streamed = tl.minimum(tl.floor(share * num_missed.to(tl.float32) + lead + 0.5).to(tl.int32), num_missed)
     streamed = missed & (rank < num_streamed)
     on_cpu = missed & (rank >= num_streamed)
     lands = streamed & (rank < 0)  # none
@@ -126,7 +127,7 @@ def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x:
         expert_ids, weights, x, x.stride(0), num_pairs, top_k, x.shape[1], row,
         tables.state, tables.cur, tables.host, tables.staging, tables.fill, tables.scratch, tables.pool_base,
         tables.pool_stride, tables.region, tables.ring, tables.head, tables.tail, tables.share,
-        tables.num_experts, tables.ring.shape[1], record, record.stride(0), record.stride(1),
+        tables.lead, tables.num_experts, tables.ring.shape[1], record, record.stride(0), record.stride(1),
         j.x, j.expert_ids, j.weights, j.on_cpu, j.num_tokens,
         LANDING=bool(landing), JOB=job is not None, DEDUP=tokens > 1, W=triton.next_power_of_2(num_pairs),
         BLOCK_H=1024,

@@ -7,6 +7,9 @@ expert copies exactly those rows into the expert's VRAM address (`copy_span`), t
 VRAM. The programs of hits and of misses run in the same launch, so the hits' compute overlaps the
 misses' copies. `fill_experts` is the separate launch, for formats whose FFN has no fused kernel.
 
+`hold_fills` and `hold` keep a stream busy for a time (a clock spin): a slower host link simulated on a
+fast one (`--link-gbps`), as the extra time each copy would take.
+
 Which experts to copy is a flag per expert (`Fill.flags`, set by `ops.cache_step.assign_experts`); the
 source is the host table, the destination the table the FFN reads. No host sync; the grid depends only
 on the number of pairs, so a decode step stays one CUDA graph.
@@ -131,3 +134,51 @@ def fill_experts(expert_ids: torch.Tensor, tables: ExpertTables, fill: Fill) -> 
             tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts,
             num_bytes, BLOCK=COPY_BLOCK, WINDOW=window,
         )
+
+
+@triton.jit
+def _now_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _spin(wait_ns):
+    start = _now_ns()
+    now = start
+    while now - start < wait_ns:
+        now = _now_ns()
+
+
+@triton.jit
+def _hold_fills_kernel(expert_ids, flags, num_pairs, num_experts, ns_each, BLOCK: tl.constexpr):
+    p = tl.arange(0, BLOCK)
+    ids = tl.load(expert_ids + p, mask=p < num_pairs, other=-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    flagged = valid & (tl.load(flags + tl.where(valid, ids, 0), mask=valid, other=0) != 0)
+    earlier = (ids[:, None] == ids[None, :]) & (p[None, :] < p[:, None])  # the expert's first pair counts
+    first = tl.sum(earlier.to(tl.int32), axis=1) == 0
+    _spin(tl.sum((flagged & first).to(tl.int64), axis=0) * ns_each)
+
+
+@triton.jit
+def _hold_kernel(wait_ns):
+    _spin(wait_ns)
+
+
+def hold_fills(expert_ids: torch.Tensor, flags: torch.Tensor, ns_each: int) -> None:
+    """Keep the current stream busy `ns_each` nanoseconds for each distinct expert of `expert_ids` `[pairs]`
+    whose fill flag (`Fill.flags`) is set: after `assign_experts`, before the expert kernels copy them."""
+    num_pairs = expert_ids.shape[0]
+    check_vector("expert_ids", expert_ids, num_pairs, INDEX_DTYPES, flags.device)
+    check_vector("fill flags", flags, flags.shape[0], (torch.int8,), flags.device)
+    if num_pairs and ns_each > 0:
+        _hold_fills_kernel[(1,)](expert_ids, flags, num_pairs, flags.shape[0], ns_each,
+                                 BLOCK=triton.next_power_of_2(num_pairs))
+
+
+def hold(ns: int, device: torch.device) -> None:
+    """Keep the current stream of `device` busy for `ns` nanoseconds."""
+    if ns > 0:
+        with torch.cuda.device(device):
+            _hold_kernel[(1,)](ns)

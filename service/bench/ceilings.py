@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,6 +50,14 @@ class Ceilings:
     cpu_read_gbps: float  # host memory read (a large sum)
     cpu_expert_gbps: float  # CPU expert kernel, expert bytes per second, one token of top_k experts
     cpu_expert_path: str  # which kernel ran: "native-<simd>" or "torch"
+    link_capped: bool = False  # the link figures are `--link-gbps`'s simulated link, not the machine's
+
+    def capped(self, gbps: float | None) -> Ceilings:
+        """The ceilings of a simulated slower link (`--link-gbps`), which bound the streamed misses."""
+        if gbps is None:
+            return self
+        zero_copy = None if self.zero_copy_gbps is None else min(self.zero_copy_gbps, gbps)
+        return replace(self, link_gbps=min(self.link_gbps, gbps), zero_copy_gbps=zero_copy, link_capped=True)
 
 
 def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], repeats: int = 5) -> float:

@@ -122,7 +122,8 @@ def _header(report: BenchReport) -> list[str]:
     zero_copy = "n/a" if c.zero_copy_gbps is None else f"{c.zero_copy_gbps:.3g} GB/s"
     batches = ", ".join(map(str, s.batches))
     return [f"model: {report.model}", routing_notice(report.routing),
-            f"ceilings on {c.device}: link {c.link_gbps:.3g} GB/s, zero-copy {zero_copy}, "
+            f"ceilings on {c.device}: link {c.link_gbps:.3g} GB/s{' (--link-gbps)' if c.link_capped else ''}, "
+            f"zero-copy {zero_copy}, "
             f"HBM {c.hbm_gbps:.4g} GB/s, CPU read {c.cpu_read_gbps:.3g} GB/s, "
             f"CPU experts {c.cpu_expert_gbps:.3g} GB/s ({c.cpu_expert_path})",
             f"prefill: {s.prompt_len} tokens; decode: {s.gen_len} tokens per request after a "

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     print(routing_notice(args.routing), flush=True)
     engine = load_engine(base_config(args, settings, points[0]), ProgressBar())  # routing: per configuration
     try:
-        ceilings = measure_ceilings(engine.device, _expert_shape(engine), args.cpu_threads)
+        ceilings = measure_ceilings(engine.device, _expert_shape(engine), args.cpu_threads).capped(args.link_gbps)
 
         def report_of(results: list) -> BenchReport:
             return BenchReport(str(engine.gguf.path), args.routing, describe_machine(engine.device), ceilings,

@@ -102,9 +102,17 @@ def test_streamed_misses_land_in_slots_and_the_rest_in_staging_rows(weights: Mod
     cache.close()
 
 
-@pytest.mark.parametrize("mode", ["stream", "cpu", "hybrid"])
-def test_every_mode_equals_the_reference_while_the_cache_fills(weights: ModelWeights, mode: str) -> None:
-    cache = make_cache(weights, budget_mib=2, miss_mode=mode, promote_per_step=4)
+@pytest.mark.parametrize(("mode", "link_gbps"), [("stream", None), ("cpu", None), ("hybrid", None), ("stream", 4.0),
+                                                 ("hybrid", 4.0)],
+                         ids=["stream", "cpu", "hybrid", "stream-4gbps", "hybrid-4gbps"])
+def test_every_mode_equals_the_reference_while_the_cache_fills(weights: ModelWeights, mode: str,
+                                                               link_gbps: float | None) -> None:
+    """`link_gbps`: a slower link simulated (`--link-gbps`): the step waits longer, computes the same."""
+    cache = make_cache(weights, budget_mib=2, miss_mode=mode, promote_per_step=4, link_gbps=link_gbps)
+    if mode == "hybrid":  # the CPU task's fixed cost, measured as the device waits for it, sets the lead
+        split = cache.split
+        assert split.fixed_seconds > 0 and 0 < split.lead < 16 and 0 < split.share < 1
+        assert float(cache.manager.tables.lead[0]) == pytest.approx(split.lead)
     ref = ReferenceExperts({i: weights.layers[i].ffn.experts for i in weights.moe_layers})
     rng = np.random.default_rng(0)
     for size in (1, 4, 8, 1, 2, 40, 1, 1, 1):

@@ -31,7 +31,7 @@ def tables(layers: int = 2, rings: int = 1, capacity: int = 8, seed: int = 0, ca
         pool_stride=torch.tensor([[4096, 4096, 2048]] * layers), region=torch.arange(layers, dtype=torch.int32) % rings,
         ring=torch.arange(rings * capacity, dtype=torch.int32).view(rings, capacity) + 100,
         head=torch.zeros(rings, dtype=torch.int64), tail=torch.full((rings,), 2, dtype=torch.int64),
-        share=torch.ones(layers, dtype=torch.float32))
+        share=torch.ones(layers, dtype=torch.float32), lead=torch.zeros(layers, dtype=torch.float32))
 
 
 def clone(t: cs.SlotTables) -> cs.SlotTables:
@@ -92,6 +92,15 @@ def test_hybrid_streams_the_first_share_of_misses_and_gives_the_rest_to_the_cpu(
     assert int(job.num_tokens[0]) == 3 and job.x[:3].flatten().tolist() == list(range(12))
 
 
+@pytest.mark.parametrize(("lead", "streamed"), [(0.0, 3), (0.6, 3), (1.0, 4), (9.0, 5)])
+def test_the_lead_streams_misses_the_cpu_would_not_pay_for(lead: float, streamed: int) -> None:
+    t = tables(cached=0)
+    t.share[0], t.lead[0] = 0.5, lead  # 5 misses: round(2.5 + lead), at most all 5
+    record = assign(t, [[1, 2], [3, 4], [5, -1]], job=cs.CpuJob.allocate(4, 2, 4, pin=False))
+    assert (record[1] == cs.ON_CPU).sum() == 5 - streamed
+    assert record[1, :streamed].ne(cs.ON_CPU).all() and record[1, streamed:5].eq(cs.ON_CPU).all()
+
+
 def test_cpu_mode_sends_every_miss_to_the_cpu_and_padding_nowhere() -> None:
     t = tables()
     t.share[0] = 0.0
@@ -127,7 +136,8 @@ def random_step(seed: int, device: torch.device) -> None:
     base = tables(layers=4, rings=2, capacity=12, seed=seed, cached=5)
     base.head.copy_(torch.tensor([3, 9]))
     base.tail.copy_(torch.tensor([6, 20]))
-    base.share.copy_(torch.tensor([1.0, 0.5, 0.0, 1.0]))
+    base.share.copy_(torch.tensor([1.0, 0.5, 0.0, 0.25]))
+    base.lead.copy_(torch.tensor([0.0, 0.0, 0.0, 1.2]))
     on = lambda t: t.to(device)  # noqa: E731
     for tokens, row, landing in itertools.product((1, int(torch.randint(2, 9, (1,), generator=g))), range(4),
                                                   (True, False)):

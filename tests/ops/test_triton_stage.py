@@ -14,6 +14,7 @@ interpreter in a subprocess (TRITON_INTERPRET=1 must be set before Triton compil
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -25,7 +26,7 @@ from ops.quants import QType
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
-from ops.triton import Fill, grouped_expert_ffn, tables_from_bank  # noqa: E402
+from ops.triton import Fill, grouped_expert_ffn, hold, hold_fills, tables_from_bank  # noqa: E402
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 from tests.ops.test_triton_experts import RTOL, Case, on_device, random_bank, random_routing, relative_error  # noqa: E402
 
@@ -108,6 +109,34 @@ def test_fill_tables_of_other_shapes_are_refused() -> None:
     one = torch.zeros(1, dtype=torch.int64, device=cuda)
     with pytest.raises(ValueError, match="other experts"):
         grouped_expert_ffn(x, one, one, one.float(), tables_from_bank(a, cuda), fill=fill)
+
+
+def elapsed_ms(launch: Callable[[], None]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    launch()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+@pytest.mark.gpu
+def test_hold_keeps_the_stream_busy_for_its_time() -> None:
+    cuda = torch.device("cuda")
+    hold(1000, cuda)  # compiled before it is timed
+    assert 2.0 <= elapsed_ms(lambda: hold(2_000_000, cuda)) < 2.8
+    assert elapsed_ms(lambda: hold(0, cuda)) < 0.5
+
+
+@pytest.mark.gpu
+def test_hold_fills_waits_once_per_distinct_flagged_expert() -> None:
+    cuda = torch.device("cuda")
+    flags = torch.zeros(16, dtype=torch.int8, device=cuda)
+    flags[[3, 7, 9]] = 1
+    ids = torch.tensor([3, 3, 5, 7, -1, 7, 20, 3], device=cuda)  # 3 and 7 flagged (twice, thrice); 9 not chosen
+    hold_fills(ids, flags, 1000)
+    assert 2.0 <= elapsed_ms(lambda: hold_fills(ids, flags, 1_000_000)) < 2.8
+    assert elapsed_ms(lambda: hold_fills(ids[2:3], flags, 1_000_000)) < 0.5  # expert 5: no fill
 
 
 # --- the interpreter (no CUDA) ----------------------------------------------------------------------------

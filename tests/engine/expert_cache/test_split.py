@@ -1,4 +1,5 @@
-"""The hybrid split: link / (link + CPU), the CPU's rate re-measured from its tasks' counters."""
+"""The hybrid split: link / (link + CPU) and the lead of the CPU task's fixed cost, the CPU's rate re-measured
+from its tasks' counters."""
 
 from __future__ import annotations
 
@@ -31,5 +32,15 @@ def test_hybrid_share_follows_the_measured_cpu_rate(bank) -> None:  # noqa: ANN0
     for _ in range(12):  # the CPU reads 30 GB/s: the device should stream 10 / (10 + 30) of the misses
         work = CpuWork(work.calls + 1, 0, 0, work.bytes + 30_000_000, work.busy_seconds + 0.001)
         shares.append(split.update(work))
-    assert [s for s in shares if s is not None] == [pytest.approx(0.25)]
+    assert [s for s in shares if s is not None] == [(pytest.approx(0.25), 0.0)]  # no fixed cost on the CPU
     assert split.cpu_gbps == pytest.approx(30.0)
+
+
+def test_the_lead_is_the_fixed_cost_in_experts_of_both_paths(bank) -> None:  # noqa: ANN001
+    split = Split(MissMode("hybrid"), torch.device("cpu"), bank, False)
+    split.link_gbps, split.cpu_gbps, split.fixed_seconds = 50.0, 75.0, 30e-6
+    split.expert_bytes = 3_000_000  # 60 us streamed, 40 us on the CPU: 30 us is 0.3 of both
+    share, lead = split._split()
+    assert (share, lead) == (pytest.approx(0.4), pytest.approx(0.3))
+    # 2 misses: 0.8 + 0.3 -> 1 streamed (60 us) and 1 on the CPU (30 + 40 us): the times the split equalizes
+    assert int(share * 2 + lead + 0.5) == 1
