@@ -3,9 +3,9 @@
 # to back on one machine:
 #   1: llama.cpp's CUDA build started in the background; the gpu tests of the cache's device path; resident
 #      and cached (stream) at batch 1 and 8 after a 400-token warm-up, while the build runs;
-#   2: after the build: llama.cpp's rows on the same file, then the CPU-miss modes and a 16 GB/s link
-#      (`--link-gbps`) with every core free;
-#   3: (device time left) small budgets against no cache, every policy.
+#   2: after the build: llama.cpp's rows on the same file, then the three miss modes at 0, 25 and 50% with
+#      every core free;
+#   3: (device time left) the miss modes on a 16 GB/s link (`--link-gbps`); small budgets against no cache.
 # Usage: .ci/gpu-final.sh 1 | 2 | 3
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,12 +28,12 @@ case "$1" in
   timeout 60 /tmp/llamacpp/llama.cpp/build/bin/llama-batched-bench -m /tmp/qwen3moe-30b-a3b.gguf -fa on \
     -t "$(nproc)" -c 8192 -b 2048 -ub 512 -npp 128 -ntg 64 -npl 8 -ngl 99 -ncmoe 24 2>&1 | grep -E "^\||error" \
     | tee -a "$LOGS/llamacpp.log"
-  BUDGET_S=110 CACHED_S=105 CACHED_NAME=cpumodes CACHED_FRACS=0,0.25 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
+  BUDGET_S=215 CACHED_S=210 CACHED_NAME=cpumodes CACHED_FRACS=0,0.25,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 200 --gen-len 32 --repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
-  BUDGET_S=80 CACHED_S=75 CACHED_NAME=link16 CACHED_FRACS=0,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
-    CACHED_EXTRA="--warmup-gen-len 100 --gen-len 24 --repeats 1 --link-gbps 16" bash .ci/gpu-check cached
   ;;
 3)
+  BUDGET_S=80 CACHED_S=75 CACHED_NAME=link16 CACHED_FRACS=0,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
+    CACHED_EXTRA="--warmup-gen-len 100 --gen-len 24 --repeats 1 --link-gbps 16" bash .ci/gpu-check cached
   BUDGET_S=200 SMALL_S=195 bash .ci/gpu-check small
   ;;
 esac
