@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.arch import ArchSpec, HParams, get_arch
+from engine.arch import ArchSpec, HParams, deepseek2, get_arch
 from engine.arch.base import GLOBAL_TENSORS, layer_tensor
+from engine.arch.deepseek2 import MLAttention
 from engine.gguf.reader import GGUFError, GGUFFile, TensorInfo
 from ops.cpu_experts import ExpertWeights
 from ops.quants import dequantize, format_of
@@ -43,14 +44,15 @@ class Attention:
 class MoE:
     router: torch.Tensor  # [experts, hidden]
     experts: ExpertWeights  # raw GGUF bytes, host memory map
-    shared: DenseFFN | None = None
+    shared: DenseFFN | None = None  # always added, or scaled by sigmoid(x . shared_gate) where it has one
     shared_gate: torch.Tensor | None = None  # [hidden]
+    score_bias: torch.Tensor | None = None  # float32 [experts]: added to the scores for choosing (DeepSeek-V3)
 
 
 @dataclass(frozen=True)
 class Layer:
     attn_norm: torch.Tensor
-    attn: Attention
+    attn: Attention | MLAttention
     ffn_norm: torch.Tensor
     ffn: DenseFFN | MoE
 
@@ -98,13 +100,16 @@ class WeightLoader:
             self.progress(info.num_bytes)
         return info
 
-    def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         info = self.tensor(name, shape)
         values = dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape)
-        return values.to(self.device, self.dtype)
+        return values.to(self.device, dtype or self.dtype)
 
-    def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        return self.dense(name, shape) if self.gguf.has(name) else None
+    def optional(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        return self.dense(name, shape, dtype) if self.gguf.has(name) else None
+
+    def has(self, name: str) -> bool:
+        return self.gguf.has(name)
 
     def load(self) -> ModelWeights:
         hp, g = self.hp, GLOBAL_TENSORS
@@ -117,8 +122,8 @@ class WeightLoader:
     def layer(self, i: int) -> Layer:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
         ffn = self.moe(i) if self.gguf.has(t("router")) else self.dense_ffn(i, "gate", "up", "down", hp.dense_ff)
-        return Layer(self.dense(t("attn_norm"), (hp.hidden,)), self.attention(i),
-                     self.dense(t("ffn_norm"), (hp.hidden,)), ffn)
+        attn = deepseek2.load_attention(self, i, hp) if hp.mla else self.attention(i)
+        return Layer(self.dense(t("attn_norm"), (hp.hidden,)), attn, self.dense(t("ffn_norm"), (hp.hidden,)), ffn)
 
     def attention(self, i: int) -> Attention:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
@@ -147,10 +152,11 @@ class WeightLoader:
     def moe(self, i: int) -> MoE:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
         shared = shared_gate = None
-        if self.arch.shared_expert:
+        if self.gguf.has(t("gate_shexp")):
             shared = self.dense_ffn(i, "gate_shexp", "up_shexp", "down_shexp", hp.shared_ff)
-            shared_gate = self.dense(t("shared_gate_inp"), (hp.hidden,))
-        return MoE(self.dense(t("router"), (hp.num_experts, hp.hidden)), self.experts(i), shared, shared_gate)
+            shared_gate = self.optional(t("shared_gate_inp"), (hp.hidden,))
+        return MoE(self.dense(t("router"), (hp.num_experts, hp.hidden)), self.experts(i), shared, shared_gate,
+                   self.optional(t("score_bias"), (hp.num_experts,), torch.float32))
 
     def experts(self, i: int) -> ExpertWeights:
         hp, t = self.hp, lambda role: layer_tensor(i, role)

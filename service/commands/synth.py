@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from engine.gguf.embedded_vocab import build_embedded_vocab
+from engine.gguf.embedded_vocab import build_vocab
 from engine.synth import PRESETS, with_overrides, write_synth
 from ops.quants import QType
 from service.progress import ProgressBar
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if args.expert_type:
         preset = replace(preset, expert_type=QType.__members__[args.expert_type])
     bar = ProgressBar()
-    paths = write_synth(args.output, preset, build_embedded_vocab(), seed=args.seed,
+    paths = write_synth(args.output, preset, build_vocab(preset.vocab), seed=args.seed,
                         split_max_bytes=args.split_mib << 20, progress=lambda d, t: bar("writing", d, t),
                         sparse=args.sparse, device=args.device)
     for path in paths:
