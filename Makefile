@@ -37,5 +37,5 @@ test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(LINT_STAMP)
-	$(BIN)/ruff check engine ops service tests
-	$(BIN)/mypy engine ops service
+	$(BIN)/ruff check engine ops service tools tests
+	$(BIN)/mypy engine ops service tools

@@ -5,7 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ops.cpu_experts import ExpertWeights, expert_ffn_cpu, random_expert_weights
+from ops.bank import ExpertWeights, random_expert_weights
+from ops.cpu_experts import expert_ffn_cpu
 from ops.quants import QType
 
 

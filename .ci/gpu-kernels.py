@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.types import Request, SamplingParams
+from service.engine_setup import load_engine
 
 CONFIGS = {
     "resident, graphs": (True, CacheConfig()),
@@ -47,9 +48,9 @@ def main() -> None:
             continue
         if graphs not in engines:
             engines.clear()  # one model on the GPU at a time
-            engines[graphs] = LLMEngine(EngineConfig(
-                model=ModelConfig(path, max_context=256, cuda_graphs=graphs), routing="synthetic:qwen3",
-                scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64)))
+            engines[graphs] = load_engine(EngineConfig(
+                model=ModelConfig(path, max_context=256, cuda_graphs=graphs),
+                scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64)), routing="synthetic:qwen3")
         engine = engines[graphs]
         engine.reconfigure_cache(cache)
         start(engine, steps)  # warm-up: compile, capture

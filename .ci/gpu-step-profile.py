@@ -26,6 +26,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.types import Request, SamplingParams
+from service.engine_setup import load_engine
 
 DEFAULT_CONFIGS = {
     "resident": "resident",
@@ -54,7 +55,7 @@ def start(engine: LLMEngine, batch: int, tokens: int) -> None:
         prompt = tuple(range(1 + i, 17 + i))
         engine.add_request(Request(f"p{time.monotonic_ns()}-{i}", prompt,
                                    SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)))
-    while engine.scheduler.num_waiting or any(len(s.seq.output_ids) == 0 for s in engine.requests.values()):
+    while engine.scheduler.num_waiting or any(not s.output_ids for s in engine.scheduler.requests.values()):
         engine.step()
 
 
@@ -193,9 +194,10 @@ def main() -> None:
     args = parser.parse_args()
     configs = dict(c.split("=", 1) for c in args.config) if args.config else DEFAULT_CONFIGS
     routing = os.environ.get("ROUTING", "synthetic:qwen3")
-    engine = LLMEngine(EngineConfig(
-        model=ModelConfig(args.model, max_context=max(512, args.warmup + 64)), routing=routing,
-        scheduler=SchedulerConfig(max_num_seqs=max(args.batch, 1), max_num_batched_tokens=max(64, args.batch * 16))))
+    engine = load_engine(EngineConfig(
+        model=ModelConfig(args.model, max_context=max(512, args.warmup + 64)),
+        scheduler=SchedulerConfig(max_num_seqs=max(args.batch, 1), max_num_batched_tokens=max(64, args.batch * 16))),
+        routing=routing)
     for name, spec in configs.items():
         profile_config(engine, name, spec, args)
 

@@ -29,6 +29,7 @@ from engine.types import Request, RequestError, RequestOutput
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
+Load = Callable[[EngineConfig, Progress | None], LLMEngine]  # how the engine thread builds the engine
 ABORT_GRACE_S = 10.0  # aborts land within one step; this only bounds a wedged device
 
 
@@ -189,15 +190,17 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs an LLMEngine in its own thread and serves many concurrent requests from asyncio."""
+    """Runs an LLMEngine in its own thread and serves many concurrent requests from asyncio. The thread
+    builds it with `load(config, progress)`, or serves the already loaded `engine`."""
 
     def __init__(self, config: EngineConfig, progress: Progress | None = None,
                  on_finish: Callable[[RequestMetrics], None] | None = None,
-                 engine: LLMEngine | None = None) -> None:
+                 engine: LLMEngine | None = None, load: Load = LLMEngine) -> None:
         self.config = config
         self.on_finish = on_finish
         self._progress = progress
         self._llm = engine  # NOTE: touched only by the engine thread once start() ran
+        self._load = load
         self._inbox = _Inbox()
         self._streams: dict[str, RequestStream] = {}  # request id -> its group's stream (loop side)
         self._snapshot = EngineSnapshot()
@@ -408,7 +411,7 @@ class AsyncEngine:
     def _run(self) -> None:
         llm = None
         try:
-            llm = self._llm or LLMEngine(self.config, self._progress)
+            llm = self._llm or self._load(self.config, self._progress)
             self._ready_with(llm)
             self._serve(llm)
         except BaseException as error:  # every failure must reach the waiting requests
@@ -483,5 +486,4 @@ def _add_group(llm: LLMEngine, requests: Sequence[Request]) -> RequestError | No
 
 
 def _has_slot(llm: LLMEngine, request_id: str) -> bool:
-    state = llm.requests.get(request_id)
-    return state is None or state.seq.slot >= 0  # gone: it finished or was aborted
+    return not llm.scheduler.is_waiting(request_id)  # also once it is gone (finished or aborted)

@@ -37,7 +37,7 @@ class MissMode:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str | None = field(default=None, metadata={  # None: the embedded default model
+    path: str | None = field(default=None, metadata={  # None: the command line's default, the embedded model
         "flag": ("-m", "--model"), "help": "GGUF file (first file of a split model); default: the embedded model"})
     device: str = field(default="auto", metadata={  # auto: cuda when available, else cpu
         "flag": "--device", "help": "cuda, cuda:N or cpu (default: cuda when available)"})
@@ -122,5 +122,3 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    routing: str = field(default="model", metadata={  # benchmarks
-        "flag": "--routing", "hidden": True, "help": "model | trace:FILE | synthetic:qwen3 | synthetic:mixtral"})

@@ -11,12 +11,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from engine.config import CacheConfig, EngineConfig
 from engine.detok import TextOutput
-from engine.embedded import embedded_model_path
 from engine.expert_cache.cache import ExpertCache, build_expert_cache
 from engine.expert_cache.record import StepRecord
 from engine.expert_cache.store import ExpertStore
@@ -25,10 +23,10 @@ from engine.gguf.tokenizer import Tokenizer
 from engine.kv_cache import KVCache
 from engine.model import Model, SeqSpan
 from engine.moe import Router
-from engine.routing import TraceRecorder, make_router
 from engine.runner import ModelRunner
 from engine.sampler import SamplingState, make_generator, prompt_logprobs, sample
 from engine.scheduler import Scheduler, Sequence
+from engine.trace import RequestTraces
 from engine.types import Request, RequestError, RequestOutput, ScheduledSeq, SchedulerOutput, StepOutput, TokenLogprob
 from engine.weights import load_weights
 
@@ -49,11 +47,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class RequestState:
-    seq: Sequence
+    """What the engine keeps of a running request beside the scheduler's `Sequence`: how it samples, its
+    text, and its prompt's log-probabilities until they are sent."""
+
     sampling: SamplingState
     text: TextOutput
-    stop_ids: frozenset[int]
-    first_token_time: float | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # gathered while the prompt prefills; None once sent
 
     def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...]:
@@ -77,8 +75,10 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: Callable[[str, int, int], None] | None = None) -> None:
+        if config.model.path is None:
+            raise ValueError("no model file: ModelConfig.path is None (the command line picks the default model)")
         self.config = config
-        self.gguf = GGUFFile(config.model.path or embedded_model_path())
+        self.gguf = GGUFFile(config.model.path)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self.device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, self.device)
@@ -91,11 +91,11 @@ class LLMEngine:
         self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages)
         self.scheduler = Scheduler(sched)
         self.cache: ExpertCache = self._build_cache(config.cache)
-        self.model = Model(self.weights, self.cache.dispatcher,
-                           make_router(config.routing, self.weights, sched.max_num_batched_tokens, self.device))
+        self.model = Model(self.weights, self.cache.dispatcher)
         self.runner = self._make_runner()
-        self.requests: dict[str, RequestState] = {}
-        self.trace_streams: dict[str, list[np.ndarray]] | None = {} if config.cache.record_trace else None
+        self.states: dict[str, RequestState] = {}  # the scheduler's requests, by id
+        self.traces = RequestTraces(hp.num_experts, tuple(self.weights.moe_layers), hp.top_k) \
+            if config.cache.record_trace else None
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self._decode_rate = 0.0
 
@@ -118,39 +118,34 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> None:
         self.validate(request)
-        if request.request_id in self.requests:
-            raise RequestError(f"request id {request.request_id!r} is already running")
         params = request.params
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.stop_token_ids
-        seq = self.scheduler.add(request)
-        state = SamplingState(params, request.prompt_ids, seq.output_ids, make_generator(params.seed, self.device))
+        seq = self.scheduler.add(request, frozenset(stop_ids))  # a running request's id is refused here
+        sampling = SamplingState(params, request.prompt_ids, seq.output_ids, make_generator(params.seed, self.device))
         text = TextOutput(self.tokenizer, params.stop, request.prompt_ids)
-        self.requests[request.request_id] = RequestState(seq, state, text, frozenset(stop_ids),
-                                                         prompt_logprobs=None if params.prompt_logprobs is None
-                                                         else [])
+        self.states[request.request_id] = RequestState(sampling, text,
+                                                       None if params.prompt_logprobs is None else [])
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        state = self.requests.pop(request_id, None)
-        if state is None:
-            return None
-        self.scheduler.abort(request_id)
-        self.model.router.release(request_id)
-        return self._output(state, (), (), "abort")
+        seq = self.scheduler.abort(request_id)
+        return None if seq is None else self._output(seq, (), (), "abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()  # 1. which sequences, which tokens
+        sched = self.scheduler.schedule()  # 1. which sequences, which tokens; which ended since the last step
+        for request_id in sched.finished_ids:  # 2. the router forgets the ended requests
+            self.model.router.release(request_id)
         if sched.is_empty:
             self.cache.flush()
             return []
-        result = self.execute(sched)  # 2. forward + sample on the device
-        outputs = self.update(sched, result)  # 3. tokens -> text, stops, finished requests
-        if not self.requests:
+        result = self.execute(sched)  # 3. forward + sample on the device
+        outputs = self.update(sched, result)  # 4. tokens -> text; the scheduler's stops applied
+        if not self.has_unfinished():
             self.cache.flush()  # idle: the cache's stats include the last step
         return outputs
 
@@ -164,7 +159,7 @@ class LLMEngine:
             [s.start + len(s.token_ids) - first for s, first in zip(sched.seqs, logits_from, strict=True)]
         last_rows = list(itertools.accumulate(counts, initial=-1))[1:]
         rows = [i for i, s in enumerate(sched.seqs) if s.samples]
-        states = [self.requests[sched.seqs[i].request_id].sampling for i in rows]
+        states = [self.states[sched.seqs[i].request_id].sampling for i in rows]
         sampled: tuple[list, list] = ([], [])
         prompt: dict[str, tuple[TokenLogprob, ...]] = {}
 
@@ -177,7 +172,8 @@ class LLMEngine:
                 prompt.update(self._prompt_logprobs(sched, logits, last_rows))
 
         record = self.forward(spans, [list(s.token_ids) for s in sched.seqs], keys, consume, logits_from)
-        self._record_trace(sched, record.ids)
+        if self.traces is not None:
+            self.traces.add_step([(s.request_id, len(s.token_ids)) for s in sched.seqs], record.ids)
         ids = [sched.seqs[i].request_id for i in rows]
         self.counters["steps"] += 1
         tokens, logprobs = sampled
@@ -186,7 +182,7 @@ class LLMEngine:
 
     def _predicts_prompt(self, s: ScheduledSeq) -> bool:
         """Whether the chunk predicts prompt tokens whose log-probabilities the request asked for."""
-        request = self.requests[s.request_id].seq.request
+        request = self.scheduler.requests[s.request_id].request
         return request.params.prompt_logprobs is not None and s.start < len(request.prompt_ids) - 1
 
     def _logits_from(self, sched: SchedulerOutput) -> list[int] | None:
@@ -203,7 +199,7 @@ class LLMEngine:
         for s, last in zip(sched.seqs, last_rows, strict=True):
             if not self._predicts_prompt(s):
                 continue
-            request = self.requests[s.request_id].seq.request
+            request = self.scheduler.requests[s.request_id].request
             first_row = last - len(s.token_ids) + 1
             stop = min(s.start + len(s.token_ids), len(request.prompt_ids) - 1)  # positions before predict
             next_ids = request.prompt_ids[s.start + 1:stop + 1]
@@ -249,67 +245,38 @@ class LLMEngine:
             torch.cuda.current_stream(self.device).synchronize()  # NOTE: the step record is complete
         return self.cache.step_done()  # e. this step's record, processed while the next step runs
 
-    def _record_trace(self, sched: SchedulerOutput, ids: np.ndarray) -> None:
-        """Keep each request's routing as its own stream: a trace is the tokens of one sequence."""
-        if self.trace_streams is None:
-            return
-        top_k = self.weights.hparams.top_k
-        row = 0
-        for s in sched.seqs:
-            n = len(s.token_ids)
-            tokens = ids[:, row * top_k:(row + n) * top_k].reshape(ids.shape[0], n, top_k).transpose(1, 0, 2)
-            self.trace_streams.setdefault(s.request_id, []).append(tokens)
-            row += n
-
-    def save_trace(self, path: str) -> None:
-        """Every recorded request's routing, one sequence after another, as one trace file."""
-        recorder = TraceRecorder(self.weights.hparams.num_experts, "recorded",
-                                 tuple(self.weights.moe_layers))
-        for chunks in (self.trace_streams or {}).values():
-            recorder.add_step(np.concatenate(chunks).transpose(1, 0, 2))
-        recorder.save(path)
-
     def update(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         outputs = []
-        now = time.perf_counter()
         for s in sched.seqs:
-            state = self.requests.get(s.request_id)
-            if state is None:
-                continue
+            state = self.states[s.request_id]
             if s.start == 0:
-                self.counters["prompt_tokens"] += len(state.seq.request.prompt_ids)
+                self.counters["prompt_tokens"] += len(self.scheduler.requests[s.request_id].request.prompt_ids)
             if state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(result.prompt_logprobs.get(s.request_id, ()))
             token = result.sampled.get(s.request_id)
             if token is not None:
-                state.first_token_time = state.first_token_time or now
-                outputs.append(self._advance(state, token, result.logprobs.get(s.request_id)))
+                outputs.append(self._advance(s.request_id, state, token, result.logprobs.get(s.request_id)))
         if sched.num_tokens == len(sched.seqs) and result.seconds > 0:
             self._decode_rate = len(sched.seqs) / result.seconds
         return outputs
 
-    def _advance(self, state: RequestState, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        seq, params = state.seq, state.sampling.params
+    def _advance(self, request_id: str, state: RequestState, token: int,
+                 logprob: TokenLogprob | None) -> RequestOutput:
         self.counters["generation_tokens"] += 1
-        self.scheduler.append_token(seq, token)
+        reason = self.scheduler.append_token(request_id, token)
+        if reason != "stop" and state.text.add(token):  # a stop string; a stop token's text is never shown
+            reason = "stop"
         lps = (logprob,) if logprob else ()
-        if token in state.stop_ids or state.text.add(token):  # a stop token's text is never shown
-            return self._finish(state, (token,), lps, "stop")
-        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return self._finish(state, (token,), lps, "length")
-        return RequestOutput(seq.request_id, (token,), state.text.emit(), lps,
+        if reason is not None:
+            return self._output(self.scheduler.finish(request_id), (token,), lps, reason)
+        seq = self.scheduler.requests[request_id]
+        return RequestOutput(request_id, (token,), state.text.emit(), lps,
                              num_prompt_tokens=len(seq.request.prompt_ids),
                              num_generated_tokens=len(seq.output_ids), prompt_logprobs=state.take_prompt_logprobs())
 
-    def _finish(self, state: RequestState, tokens: tuple[int, ...], lps: tuple, reason: str) -> RequestOutput:
-        self.requests.pop(state.seq.request_id, None)
-        self.scheduler.finish(state.seq)
-        self.model.router.release(state.seq.request_id)
-        return self._output(state, tokens, lps, reason)
-
-    @staticmethod
-    def _output(state: RequestState, tokens: tuple[int, ...], lps: tuple, reason: str) -> RequestOutput:
-        seq = state.seq
+    def _output(self, seq: Sequence, tokens: tuple[int, ...], lps: tuple, reason: str) -> RequestOutput:
+        """The last output of a request the scheduler ended; the engine's state of it goes."""
+        state = self.states.pop(seq.request_id)
         return RequestOutput(seq.request_id, tokens, state.text.finish(), lps, True, reason,
                              len(seq.request.prompt_ids), len(seq.output_ids),
                              prompt_logprobs=state.take_prompt_logprobs())
@@ -353,8 +320,8 @@ class LLMEngine:
     def close(self) -> None:
         for line in self.cache.close():
             log.info(line)
-        if self.config.cache.record_trace and self.trace_streams:
-            self.save_trace(self.config.cache.record_trace)
+        if self.config.cache.record_trace and self.traces is not None and self.traces.streams:
+            self.traces.save(self.config.cache.record_trace)
 
 
 def _log_softmax_into(rows: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:

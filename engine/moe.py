@@ -3,7 +3,7 @@ computed) -> weighted sum, plus the shared expert where the architecture has one
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,14 +13,12 @@ import torch.nn.functional as F
 from engine.arch.base import Routing
 from engine.layers import swiglu
 from engine.weights import ModelWeights, MoE
-from ops.cpu_experts import ExpertWeights
-from ops.expert_ffn import expert_ffn_torch
 from ops.fused import route_topk, route_topk_scored, routed_weights, routed_weights_scored
 
 
 class Router(Protocol):
     """Chooses each token's experts from the router logits. The model's own is `TopKRouter`; benchmarks
-    and trace replay install theirs (`engine.routing`), which may prepare each step's routing."""
+    and trace replay install theirs (`tools.routing`), which may prepare each step's routing."""
 
     def __call__(self, moe_index: int, logits: torch.Tensor,
                  token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,16 +126,3 @@ def pair_tokens(num_tokens: int, top_k: int, device: torch.device) -> torch.Tens
                 _PAIR_TOKENS.clear()
             _PAIR_TOKENS[key] = tokens
     return tokens
-
-
-class ReferenceExperts:
-    """Dequantize each selected expert and run plain float32 matmuls: the oracle other paths are checked
-    against. Experts may live anywhere (host map, device); the math runs on x's device."""
-
-    def __init__(self, experts: Mapping[int, ExpertWeights]) -> None:
-        self.experts = experts
-
-    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor:
-        tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
-        return expert_ffn_torch(x, tokens, experts, pair_weights, self.experts[layer]).to(x.dtype)

@@ -6,7 +6,6 @@ together: the cache's table changes and the step record are part of the graph.""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,16 +68,6 @@ class ModelRunner:
         logits = self.model.forward(batch, self.kv)
         self.experts.end_step()
         return logits
-
-    def capture_all(self, progress: Callable[[str, int, int], None] | None = None) -> None:
-        """Capture every (batch size, KV bucket) graph up front, so no request waits for a capture."""
-        if not (self.use_graphs and self.experts.is_graph_safe):
-            return
-        keys = [(b, n) for b in self.sizes for n in self.buckets]
-        for i, key in enumerate(keys):
-            self._graph(*key)
-            if progress:
-                progress("graphs", i + 1, len(keys))
 
     def _replay(self, spans: list[SeqSpan], token_ids: list[list[int]]) -> torch.Tensor:
         n = len(spans)

@@ -1,8 +1,11 @@
-"""Continuous batching, torch-free: which sequences run in the next step, and which tokens of each.
+"""Continuous batching, torch-free: the lifecycle of every request, and which sequences run in the next step
+with which tokens of each.
 
-Decoding sequences go first (one token each) so running streams never stall behind a long prompt; the
-rest of the step's token budget prefills waiting prompts in chunks. A finished or aborted sequence
-frees its KV slot at once.
+A request is added (waiting), admitted into a KV slot (running), and finished or aborted, which frees its
+slot at once; the next `schedule()` reports it in `finished_ids`. Decoding sequences go first (one token
+each) so running streams never stall behind a long prompt; the rest of the step's token budget prefills
+waiting prompts in chunks. The scheduler decides when a sampled token ends a sequence (a stop token, its
+token limit, the context); the engine applies it.
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.types import Request, ScheduledSeq, SchedulerOutput
+from engine.types import Request, RequestError, ScheduledSeq, SchedulerOutput
 
 
 @dataclass
 class Sequence:
     request: Request
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it
     slot: int = -1
     num_computed: int = 0  # tokens whose KV is in the cache
     output_ids: list[int] = field(default_factory=list)
@@ -37,35 +41,57 @@ class Sequence:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self.requests: dict[str, Sequence] = {}  # every request added and not yet finished or aborted
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # hold a KV slot: prefilling or decoding
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._finished: list[str] = []
 
-    def add(self, request: Request) -> Sequence:
-        seq = Sequence(request)
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def add(self, request: Request, stop_ids: frozenset[int] = frozenset()) -> Sequence:
+        if request.request_id in self.requests:
+            raise RequestError(f"request id {request.request_id!r} is already running")
+        seq = Sequence(request, stop_ids)
+        self.requests[request.request_id] = seq
         self.waiting.append(seq)
         return seq
 
-    def abort(self, request_id: str) -> Sequence | None:
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._release(seq)
-                    return seq
+    def append_token(self, request_id: str, token: int) -> str | None:
+        """Record a sampled token; why it ends the sequence ("stop": a stop token, "length": the token
+        limit or the context), or None. The sequence runs on until `finish`."""
+        seq = self.requests[request_id]
+        seq.output_ids.append(token)
+        if token in seq.stop_ids:
+            return "stop"
+        if len(seq.output_ids) >= seq.request.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
         return None
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, request_id: str) -> Sequence:
+        """End a request: its KV slot is free now."""
+        seq = self.requests.pop(request_id)
         if seq in self.running:
             self.running.remove(seq)
-            self._release(seq)
-
-    def _release(self, seq: Sequence) -> None:
+        else:
+            self.waiting.remove(seq)
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1
-        self._finished.append(seq.request_id)
+        self._finished.append(request_id)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """End a request wherever it is; None when there is none of that id."""
+        return self.finish(request_id) if request_id in self.requests else None
+
+    # -- state -------------------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def is_waiting(self, request_id: str) -> bool:
+        """Added and not yet given a KV slot."""
+        seq = self.requests.get(request_id)
+        return seq is not None and seq.slot < 0
 
     @property
     def num_waiting(self) -> int:
@@ -75,13 +101,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def kv_usage(self) -> float:
         used = sum(s.num_tokens for s in self.running)
         return used / (self.config.max_num_seqs * self.config.max_model_len)
 
+    # -- the step ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
@@ -107,6 +131,3 @@ class Scheduler:
         start = seq.num_computed
         seq.num_computed += len(ids)
         return ScheduledSeq(seq.request_id, seq.slot, start, tuple(ids), seq.num_computed == seq.num_tokens)
-
-    def append_token(self, seq: Sequence, token: int) -> None:
-        seq.output_ids.append(token)

@@ -13,7 +13,7 @@ from engine.arch import ArchSpec, HParams, deepseek2, get_arch
 from engine.arch.base import GLOBAL_TENSORS, layer_tensor
 from engine.arch.deepseek2 import MLAttention
 from engine.gguf.reader import GGUFError, GGUFFile, TensorInfo
-from ops.cpu_experts import ExpertWeights
+from ops.bank import ExpertWeights
 from ops.quants import dequantize, format_of
 
 
@@ -175,8 +175,3 @@ def load_weights(gguf: GGUFFile, device: torch.device, dtype: torch.dtype,
         if isinstance(exc, GGUFError):
             raise
         raise GGUFError(f"{gguf.path}: {exc}") from exc
-
-
-def expert_bytes(experts: ExpertWeights) -> int:
-    """Bytes of one routed expert: gate + up + down."""
-    return sum(t[0].numel() for t in (experts.gate, experts.up, experts.down))

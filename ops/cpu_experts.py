@@ -6,27 +6,21 @@ to torch (row tiles dequantized with `ops.quants`) for other types or when no C 
 The kernel runs on a persistent native worker pool (`NativeExperts.start_pool`) with the calling thread.
 `ExpertTask` is the same computation as a native task a CUDA graph's host node runs (`cuLaunchHostFunc`
 with `ExpertTask.function_address` and `ExpertTask.address`): no Python and no GIL on that path.
-`expert_ffn_reference` is the slow, obviously-correct twin used by the tests.
+`ops.expert_ffn.expert_ffn_reference` is the slow, obviously-correct twin the tests check it against.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import functools
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypedDict
 
-import gguf.quants
-import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from ops import native, quants
+from ops.bank import ExpertWeights
 
 QType = GGMLQuantizationType
 SOURCE = native.CSRC / "cpu_experts.c"
@@ -39,56 +33,6 @@ _ERRORS = {
     -4: "expert id out of range",
     -5: "out of memory",
 }
-
-
-def row_bytes(qtype: QType, num_cols: int) -> int:
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    if num_cols % block_size:
-        raise ValueError(f"{qtype.name}: row of {num_cols} is not a multiple of {block_size}")
-    return num_cols // block_size * type_size
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    """A bank of routed experts as raw GGUF bytes (contiguous uint8), first dimension = expert or slot:
-    a layer in host memory, a layer resident on the device, or a pool of cache slots."""
-
-    gate: torch.Tensor  # [num_experts, ff, row_bytes(gate_type, hidden)]
-    up: torch.Tensor  # [num_experts, ff, row_bytes(up_type, hidden)]
-    down: torch.Tensor  # [num_experts, hidden, row_bytes(down_type, ff)]
-    gate_type: QType
-    up_type: QType
-    down_type: QType
-    hidden: int
-    ff: int
-
-    def __post_init__(self) -> None:
-        for name, qtype in (
-            ("gate_type", self.gate_type),
-            ("up_type", self.up_type),
-            ("down_type", self.down_type),
-        ):
-            object.__setattr__(self, name, QType(qtype))
-        num_experts = self.gate.shape[0]
-        self._check("gate", self.gate, (num_experts, self.ff, row_bytes(self.gate_type, self.hidden)))
-        self._check("up", self.up, (num_experts, self.ff, row_bytes(self.up_type, self.hidden)))
-        self._check("down", self.down, (num_experts, self.hidden, row_bytes(self.down_type, self.ff)))
-
-    @staticmethod
-    def _check(name: str, t: torch.Tensor, shape: tuple[int, int, int]) -> None:
-        if t.dtype != torch.uint8 or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous uint8 bytes, got {t.dtype} on {t.device}")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
-
-    @property
-    def num_experts(self) -> int:
-        return self.gate.shape[0]
-
-    @property
-    def expert_bytes(self) -> int:
-        """Bytes of one expert (gate + up + down)."""
-        return (self.gate[0].numel() + self.up[0].numel() + self.down[0].numel()) * self.gate.element_size()
 
 
 class MoeTaskStruct(ctypes.Structure):
@@ -329,215 +273,3 @@ def expert_ffn_tiled(
         h = F.silu(gate) * _tiled_matmul(rows, w.up[e], w.up_type, w.hidden)
         out.index_add_(0, tokens, _tiled_matmul(h, w.down[e], w.down_type, w.ff) * weights[pairs, None])
     return out
-
-
-def _dequantize_reference(raw: torch.Tensor, qtype: QType) -> torch.Tensor:
-    return torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), qtype), dtype=np.float32))
-
-
-def expert_ffn_reference(
-    x: torch.Tensor,
-    token_ids: torch.Tensor,
-    expert_ids: torch.Tensor,
-    weights: torch.Tensor,
-    w: ExpertWeights,
-) -> torch.Tensor:
-    """Same result as `expert_ffn_cpu`: whole experts dequantized by gguf's numpy code, fp32 per pair."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    dense: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for t, e, weight in zip(token_ids.tolist(), expert_ids.tolist(), weights.tolist(), strict=True):
-        if e not in dense:
-            dense[e] = (
-                _dequantize_reference(w.gate[e], w.gate_type),
-                _dequantize_reference(w.up[e], w.up_type),
-                _dequantize_reference(w.down[e], w.down_type),
-            )
-        gate, up, down = dense[e]
-        xt = x[t].float()
-        out[t] += weight * (down @ (F.silu(gate @ xt) * (up @ xt)))
-    return out
-
-
-# byte offsets of the fp16 scale fields (d, dmin) in one block of each format
-SCALE_FIELDS: dict[QType, tuple[int, ...]] = {
-    QType.Q4_0: (0,),
-    QType.Q4_1: (0, 2),
-    QType.Q5_0: (0,),
-    QType.Q5_1: (0, 2),
-    QType.Q8_0: (0,),
-    QType.Q2_K: (80, 82),
-    QType.Q3_K: (108,),
-    QType.Q4_K: (0, 2),
-    QType.Q5_K: (0, 2),
-    QType.Q6_K: (208,),
-}
-_FLOAT_DTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
-
-
-def random_rows(rng: np.random.Generator, num_rows: tuple[int, int], num_cols: int, qtype: QType) -> torch.Tensor:
-    """Valid random bytes uint8 [*num_rows, row_bytes]: random blocks with small finite fp16 scales."""
-    if qtype in _FLOAT_DTYPES:
-        values = torch.from_numpy(rng.standard_normal((*num_rows, num_cols), dtype=np.float32) * 0.05)
-        return values.to(_FLOAT_DTYPES[qtype]).view(torch.uint8).contiguous()
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (*num_rows, num_cols // block_size, type_size), dtype=np.uint8)
-    for offset in SCALE_FIELDS[qtype]:
-        scales = rng.uniform(1e-4, 1e-3, blocks.shape[:-1]).astype(np.float16)
-        blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:-1], 2)
-    return torch.from_numpy(blocks.reshape(*num_rows, -1))
-
-
-def random_expert_weights(
-    num_experts: int,
-    hidden: int,
-    ff: int,
-    gate_type: QType,
-    up_type: QType | None = None,
-    down_type: QType | None = None,
-    seed: int = 0,
-) -> ExpertWeights:
-    rng = np.random.default_rng(seed)
-    up_type, down_type = up_type or gate_type, down_type or gate_type
-    return ExpertWeights(
-        gate=random_rows(rng, (num_experts, ff), hidden, gate_type),
-        up=random_rows(rng, (num_experts, ff), hidden, up_type),
-        down=random_rows(rng, (num_experts, hidden), ff, down_type),
-        gate_type=gate_type,
-        up_type=up_type,
-        down_type=down_type,
-        hidden=hidden,
-        ff=ff,
-    )
-
-
-# ---- throughput ----
-
-
-class BenchmarkResult(TypedDict):
-    seconds: float  # median per layer call
-    gbps: float  # bytes of the distinct experts a call touches / seconds, median over calls
-    gflops: float  # 6 * hidden * ff flops per pair / median seconds
-    num_pairs: int
-    path: str  # "native-<simd>" or "torch"
-
-
-def random_routing(
-    rng: np.random.Generator, num_tokens: int, top_k: int, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """token_ids, expert_ids, weights [num_tokens * top_k]: top_k distinct experts per token."""
-    experts = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(num_tokens)])
-    weights = torch.from_numpy(rng.dirichlet(np.ones(top_k), num_tokens).astype(np.float32))
-    token_ids = torch.arange(num_tokens).repeat_interleave(top_k)
-    return token_ids, torch.from_numpy(experts.reshape(-1)), weights.reshape(-1)
-
-
-def benchmark_cpu_experts(
-    hidden: int = 2048,
-    ff: int = 768,
-    num_experts: int = 128,
-    top_k: int = 8,
-    num_tokens: int = 1,
-    qtype: QType = QType.Q4_K,
-    down_type: QType | None = None,
-    num_threads: int | None = None,
-    repeats: int = 30,
-    seed: int = 0,
-) -> BenchmarkResult:
-    """One layer call per repeat, a fresh random routing each time, so experts come from DRAM."""
-    w = random_expert_weights(num_experts, hidden, ff, qtype, qtype, down_type or qtype, seed)
-    rng = np.random.default_rng(seed)
-    x = torch.from_numpy(rng.standard_normal((num_tokens, hidden), dtype=np.float32))
-    seconds, rates = [], []
-    for i in range(repeats + 1):
-        token_ids, expert_ids, weights = random_routing(rng, num_tokens, top_k, num_experts)
-        start = time.perf_counter()
-        expert_ffn_cpu(x, token_ids, expert_ids, weights, w, num_threads=num_threads)
-        elapsed = time.perf_counter() - start
-        if i:  # the first call builds the library and warms the threads
-            seconds.append(elapsed)
-            rates.append(len(set(expert_ids.tolist())) * w.expert_bytes / elapsed)
-    median = statistics.median(seconds)
-    lib = load_native()
-    return {
-        "seconds": median,
-        "gbps": statistics.median(rates) / 1e9,
-        "gflops": 6 * hidden * ff * num_tokens * top_k / median / 1e9,
-        "num_pairs": num_tokens * top_k,
-        "path": f"native-{lib.simd}" if lib is not None and lib.supports(w) else "torch",
-    }
-
-
-def memory_bandwidth_gbps(num_bytes: int = 1 << 30) -> dict[str, float]:
-    """This machine's memory read (torch sum) and copy (bytes read + written) rates, best of 5."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    read = min(_timed(lambda: src.sum()) for _ in range(5))
-    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
-    return {"read": num_bytes / read / 1e9, "copy": 2 * num_bytes / copy / 1e9}
-
-
-def torch_int4_gemv_gbps(
-    rows: int = 768, cols: int = 2048, num_matrices: int = 256, num_tokens: int = 1, num_threads: int | None = None
-) -> float:
-    """torch's int4 CPU GEMV (group 32, bf16) over a pool of matrices larger than the caches: GB/s."""
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads or saved_threads)
-    try:
-        return _int4_sweep_gbps(rows, cols, num_matrices, num_tokens)
-    finally:
-        torch.set_num_threads(saved_threads)
-
-
-def _int4_sweep_gbps(rows: int, cols: int, num_matrices: int, num_tokens: int) -> float:
-    group = 32
-    packed = [
-        torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (rows, cols), dtype=torch.int32), 2)
-        for _ in range(num_matrices)
-    ]
-    scales = torch.rand(cols // group, rows, 2, dtype=torch.bfloat16)
-    x = torch.randn(num_tokens, cols, dtype=torch.bfloat16)
-
-    def sweep() -> None:
-        for p in packed:
-            torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, group, scales)
-
-    sweep()
-    matrix_bytes = rows * cols // 2 + scales.numel() * scales.element_size()
-    return num_matrices * matrix_bytes / min(_timed(sweep) for _ in range(3)) / 1e9
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="CPU expert FFN throughput, one Qwen3-30B-A3B-shaped layer")
-    parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
-    args = parser.parse_args(argv)
-    bw = memory_bandwidth_gbps()
-    print(f"memory: read {bw['read']:.1f} GB/s, copy {bw['copy']:.1f} GB/s ({torch.get_num_threads()} threads)")
-    if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        for n in (1, 8):
-            gbps = torch_int4_gemv_gbps(num_tokens=n, num_threads=args.threads)
-            print(f"torch int4 GEMV 768x2048, group 32, batch {n}: {gbps:.1f} GB/s")
-    layouts = (
-        (QType.Q4_K, QType.Q4_K),
-        (QType.Q4_K, QType.Q6_K),
-        (QType.Q5_K, QType.Q5_K),
-        (QType.Q6_K, QType.Q6_K),
-        (QType.Q8_0, QType.Q8_0),
-    )
-    for qtype, down_type in layouts:
-        for n in (1, 8):
-            r = benchmark_cpu_experts(num_tokens=n, qtype=qtype, down_type=down_type, num_threads=args.threads)
-            print(
-                f"{qtype.name} gate/up + {down_type.name} down, batch {n}: {r['seconds'] * 1e6:7.0f} us"
-                f" {r['gbps']:6.1f} GB/s {r['gflops']:6.1f} GFLOP/s ({r['path']})",
-                flush=True,
-            )
-
-
-if __name__ == "__main__":
-    main()

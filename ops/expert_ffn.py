@@ -1,17 +1,40 @@
-"""Grouped expert FFN over a bank of raw GGUF experts, in plain torch on any device.
+"""The expert FFN over a bank of raw GGUF experts (`ops.bank.ExpertWeights`): one signature, one torch
+reference, and the fast paths behind it.
 
-A bank is an `ExpertWeights` whose first dimension indexes experts: a layer's experts in host memory,
-a layer resident on the device, or a pool of cache slots. Every (token, expert) pair is one row of
-`token_ids`/`bank_rows`/`weights`; the result is `out[t] = sum_p w_p * down(silu(gate(x_t)) * up(x_t))`.
+    ffn(x, token_ids, bank_rows, weights, bank) -> float32 [tokens, hidden]
+
+x `[tokens, hidden]`; token_ids, bank_rows, weights `[pairs]`: pair p adds
+`weights[p] * down_r(silu(gate_r(x_t)) * up_r(x_t))` to token t = token_ids[p], for bank row r = bank_rows[p].
+Pairs whose row is -1 are skipped.
+
+- `expert_ffn_reference`: plain torch, each used row dequantized once by `ops.quants`: the oracle every
+  path is tested against.
+- `ops.cpu_experts.expert_ffn_cpu`: the native CPU kernel on a host bank (torch row tiles where no C
+  compiler is present); it takes valid rows only, so `expert_ffn` drops the skipped pairs before it.
+- `ops.triton.expert_ffn_triton`: the grouped GEMV kernels on CUDA, for a bank in VRAM or pinned host
+  memory. Its launcher `ops.triton.grouped_expert_ffn` reads pointer tables instead of a bank: the expert
+  cache's slots are one.
+- `ops.grouped_gemm.expert_ffn_grouped_gemm`: grouped GEMMs on tensor cores, for large batches (prefill).
+- `expert_ffn`: the path for x's device.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
-from ops.cpu_experts import ExpertWeights, expert_ffn_cpu, load_native
+from ops.bank import ExpertWeights
+from ops.cpu_experts import expert_ffn_cpu, load_native
 from ops.quants import dequantize
+
+
+class ExpertFFN(Protocol):
+    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
+                 bank: ExpertWeights) -> torch.Tensor:
+        """x `[tokens, hidden]`; token_ids, bank_rows, weights `[pairs]` -> float32 `[tokens, hidden]`."""
+        ...
 
 
 def dequantize_expert(bank: ExpertWeights, row: int, device: torch.device,
@@ -26,11 +49,10 @@ def swiglu_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: t
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def expert_ffn_torch(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
-                     bank: ExpertWeights) -> torch.Tensor:
-    """x `[tokens, hidden]`; token_ids, bank_rows, weights `[pairs]` -> float32 `[tokens, hidden]`.
-    Pairs whose bank row is -1 are skipped. Dequantizes each used bank row once: the reference for
-    every faster path."""
+def expert_ffn_reference(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
+                         bank: ExpertWeights) -> torch.Tensor:
+    """The reference: float32 matmuls on each used bank row, dequantized once; on x's device, from a bank
+    anywhere."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     rows, inverse = bank_rows.unique(return_inverse=True)
     for index, row in enumerate(rows.tolist()):
@@ -50,8 +72,13 @@ def native_supports(bank: ExpertWeights) -> bool:
 
 def expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
                bank: ExpertWeights) -> torch.Tensor:
-    """The fastest available path for the device of `x`; pairs with bank row -1 are skipped."""
+    """The path for x's device: the native kernel on the CPU, the Triton kernels on CUDA, else the
+    reference (a type the native kernel lacks, another device)."""
     if x.device.type == "cpu" and native_supports(bank):
         keep = bank_rows >= 0
         return expert_ffn_cpu(x.float(), token_ids[keep], bank_rows[keep], weights[keep].float(), bank)
-    return expert_ffn_torch(x, token_ids, bank_rows, weights, bank)
+    if x.device.type == "cuda":
+        from ops.triton import expert_ffn_triton  # Triton: CUDA only
+
+        return expert_ffn_triton(x, token_ids, bank_rows, weights, bank)
+    return expert_ffn_reference(x, token_ids, bank_rows, weights, bank)

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ops import quants
-from ops.cpu_experts import ExpertWeights, QType
+from ops.bank import ExpertWeights
+from ops.quants import QType
 
 CHUNK_BYTES = 256 << 20  # dequantized weights held at once
 
@@ -24,29 +25,44 @@ def grouped_gemm_available(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def grouped_gemm_ffn(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, bank: ExpertWeights,
-                     dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-    """x `[tokens, hidden]`, expert_ids and weights `[tokens, top_k]` (id -1: no expert; ids index the
-    bank's rows) -> float32 `[tokens, hidden]` = sum_k w * expert_k(x), matmuls in `dtype`."""
-    num_tokens, top_k = expert_ids.shape
-    num_experts = bank.gate.shape[0]
-    key = torch.where(expert_ids.flatten() >= 0, expert_ids.flatten(), num_experts)  # -1 sorts last
+def expert_ffn_grouped_gemm(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
+                            bank: ExpertWeights, dtype: torch.dtype = torch.bfloat16,
+                            chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """The signature of `ops.expert_ffn` (pairs with row -1 skipped) -> float32 `[tokens, hidden]`, matmuls
+    in `dtype`."""
+    num_rows = bank.gate.shape[0]
+    key = torch.where(bank_rows >= 0, bank_rows, num_rows)  # -1 sorts last
     order = torch.argsort(key, stable=True)
-    ends = torch.bincount(key, minlength=num_experts + 1)[:num_experts].cumsum(0)
-    ends_host = ends.tolist()  # NOTE: one host sync per call: the chunks' row ranges
-    rows = x.to(dtype)[order[:ends_host[-1]] // top_k]  # [valid pairs, hidden], sorted by expert
+    ends = torch.bincount(key, minlength=num_rows + 1)[:num_rows].cumsum(0)
+    per_token = torch.bincount(token_ids, minlength=x.shape[0])  # pairs of each token
+    # NOTE: one host sync per call: the chunks' row ranges, and the most pairs of one token
+    *ends_host, width = torch.cat([ends, per_token.max().view(1)]).tolist()
+    rows = x.to(dtype)[token_ids[order[:ends_host[-1]]]]  # [valid pairs, hidden], sorted by bank row
     y = torch.empty((rows.shape[0], bank.hidden), dtype=dtype, device=x.device)
     per_chunk = max(1, chunk_bytes // (3 * bank.ff * bank.hidden * torch.empty((), dtype=dtype).element_size()))
-    for first in range(0, num_experts, per_chunk):
-        last = min(num_experts, first + per_chunk)
+    for first in range(0, num_rows, per_chunk):
+        last = min(num_rows, first + per_chunk)
         start, stop = ends_host[first - 1] if first else 0, ends_host[last - 1]
         if stop > start:
             offs = (ends[first:last] - start).to(torch.int32)
             y[start:stop] = _chunk_ffn(rows[start:stop], offs, bank, first, last, dtype)
-    pairs = torch.zeros((num_tokens * top_k, bank.hidden), dtype=torch.float32, device=x.device)
+    pairs = torch.zeros((bank_rows.shape[0], bank.hidden), dtype=torch.float32, device=x.device)
     pairs[order[:rows.shape[0]]] = y.float()
-    # NOTE: a fixed summation order (no atomics): the same prompt gives the same bits every run.
-    return (pairs.view(num_tokens, top_k, -1) * weights.float()[:, :, None]).sum(1)
+    return _sum_by_token(pairs * weights.float()[:, None], token_ids, per_token, width)
+
+
+def _sum_by_token(pairs: torch.Tensor, token_ids: torch.Tensor, per_token: torch.Tensor, width: int) -> torch.Tensor:
+    """`[pairs, hidden]` -> `[tokens, hidden]`: each token's rows added in pair order (`per_token`: pairs of
+    each token, `width`: the most of them).
+
+    NOTE: a fixed summation order (no atomics): the same prompt gives the same bits every run. The rows
+    are laid out `[tokens, width, hidden]` (zeros where a token has fewer) and summed."""
+    order = torch.argsort(token_ids, stable=True)
+    tokens = token_ids[order]
+    rank = torch.arange(order.shape[0], device=pairs.device) - (per_token.cumsum(0) - per_token)[tokens]
+    padded = torch.zeros((per_token.shape[0], width, pairs.shape[1]), dtype=pairs.dtype, device=pairs.device)
+    padded[tokens, rank] = pairs[order]
+    return padded.sum(1)
 
 
 def _chunk_ffn(rows: torch.Tensor, offs: torch.Tensor, bank: ExpertWeights, first: int, last: int,

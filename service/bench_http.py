@@ -27,6 +27,7 @@ import aiohttp
 from engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.types import Request, SamplingParams
+from service.engine_setup import load_engine
 
 PAUSE_S = 1.0
 PROMPT = "The history of the expert cache begins with a simple observation about routing:"
@@ -152,7 +153,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def bench(args: argparse.Namespace) -> list[Row]:
     """Both paths, interleaved run by run so that both see the same load on the machine."""
     server = ServeProcess(engine_args(args))
-    engine = LLMEngine(engine_config(args))
+    engine = load_engine(engine_config(args))
     try:
         if not server.ready.wait(300):
             raise RuntimeError("the server did not become ready")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from service.engine_setup import RoutingOptions
 
 T = TypeVar("T")
 
@@ -96,13 +97,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     add_options(p.add_argument_group("expert placement and cache"), CacheConfig)
     batching = p.add_argument_group("batching")
     add_options(batching, SchedulerConfig)
-    add_options(batching, EngineConfig)
+    add_options(batching, RoutingOptions)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     model = from_options(ModelConfig, args)
     scheduler = from_options(SchedulerConfig, args, max_model_len=model.max_context)
-    return from_options(EngineConfig, args, model=model, cache=from_options(CacheConfig, args), scheduler=scheduler)
+    return EngineConfig(model, from_options(CacheConfig, args), scheduler)
 
 
 def env_name(dest: str) -> str:

@@ -17,10 +17,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine, Progress
+from engine.async_engine import AsyncEngine, Load, Progress
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from service import logs
+from service.engine_setup import load_engine
 from service.grpc_api.server import GrpcServer
 from service.http import build_app
 from service.jobs.runtime import JobOptions, Jobs
@@ -70,14 +71,15 @@ def package_version() -> str:
 
 
 class Server:
-    """One server: an AsyncEngine behind the HTTP API. `engine` serves an already loaded engine."""
+    """One server: an AsyncEngine behind the HTTP API. `engine` serves an already loaded engine; else the
+    engine thread loads one with `load` (the embedded model when the config names none)."""
 
     def __init__(self, config: EngineConfig, options: ServeOptions, progress: Progress | None = None,
-                 engine: LLMEngine | None = None) -> None:
+                 engine: LLMEngine | None = None, load: Load = load_engine) -> None:
         self.options = options
         name = served_model_name(config, options)
         self.metrics = Metrics(name)
-        self.engine = AsyncEngine(config, progress, on_finish=self.metrics.observe, engine=engine)
+        self.engine = AsyncEngine(config, progress, on_finish=self.metrics.observe, engine=engine, load=load)
         limits = options.limits
         self.admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests)
         self.metrics.watch(self.engine.stats, lambda: self.admission.num_queued)
@@ -136,13 +138,14 @@ class Server:
         logs.uninstall(self._redact)
 
 
-async def serve(config: EngineConfig, options: ServeOptions, progress: Progress | None = None) -> int:
+async def serve(config: EngineConfig, options: ServeOptions, progress: Progress | None = None,
+                load: Load = load_engine) -> int:
     """Run until SIGTERM or SIGINT, then drain; 0 after a clean drain, 1 if the model failed to load."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    server = Server(config, options, progress)
+    server = Server(config, options, progress, load=load)
     starting = asyncio.create_task(server.start())
     signalled = asyncio.create_task(stopping.wait())
     await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)

@@ -12,8 +12,8 @@ import torch
 
 from engine.arch import get_arch
 from engine.arch.base import MLA, HParams, Routing, YaRN
-from engine.gguf.writer import TensorSpec, tensor_from_float, write_gguf
 from ops.quants import QType, dequantize, quantize
+from tools.gguf_writer import TensorSpec, tensor_from_float, write_gguf
 
 ARCH_OF_MODEL = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
                  "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}

@@ -1,5 +1,6 @@
-"""The packages depend one way, service -> engine -> ops: every module of `ops` imported into a fresh
-interpreter pulls in no `engine` or `service` module, and every module of `engine` no `service` module."""
+"""The packages depend one way, service -> tools -> engine -> ops: every module of `ops` imported into a fresh
+interpreter pulls in no `engine`, `tools` or `service` module, every module of `engine` no `tools` or
+`service` module, and every module of `tools` no `service` module."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"ops": ("engine", "service"), "engine": ("service",)}
+FORBIDDEN = {"ops": ("engine", "service", "tools"), "engine": ("service", "tools"), "tools": ("service",)}
 
 
 def modules(package: str) -> list[str]:

@@ -17,8 +17,9 @@ from typing import Protocol
 
 import torch
 
+from ops.bank import ExpertWeights
 from ops.cache_step import CpuJob
-from ops.cpu_experts import ExpertTask, ExpertWeights, TaskCounters, expert_ffn_cpu, load_native
+from ops.cpu_experts import ExpertTask, TaskCounters, expert_ffn_cpu, load_native
 from ops.cuda_host import launch_host_func
 
 

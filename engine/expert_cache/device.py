@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ops.cpu_experts import ExpertWeights
+from ops.bank import ExpertWeights
 
 
 class CopyEngine:

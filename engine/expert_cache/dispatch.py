@@ -22,10 +22,10 @@ from engine.expert_cache.manager import CacheManager, Change
 from engine.expert_cache.record import HIT, LANDED, ON_CPU, PAD, STAGED, RecordBuffers, StepRecord
 from engine.expert_cache.staging import LayerStager
 from engine.moe import flatten_pairs
+from ops.bank import ExpertWeights
 from ops.cache_step import assign_experts, begin_step
-from ops.cpu_experts import ExpertWeights
 from ops.expert_ffn import expert_ffn
-from ops.grouped_gemm import grouped_gemm_available, grouped_gemm_ffn
+from ops.grouped_gemm import expert_ffn_grouped_gemm, grouped_gemm_available
 
 
 class StepKind(enum.Enum):
@@ -126,7 +126,7 @@ class ExpertDispatcher:
         if not self.on_device:
             return expert_ffn(x, *flatten_pairs(expert_ids, weights), bank).to(x.dtype)
         if self.kind is StepKind.PREFILL and grouped_gemm_available(self.device):
-            return grouped_gemm_ffn(x, expert_ids, weights, bank).to(x.dtype)
+            return expert_ffn_grouped_gemm(x, *flatten_pairs(expert_ids, weights), bank).to(x.dtype)
         from ops.triton import grouped_expert_ffn
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
         return grouped_expert_ffn(x, tokens, experts, pair_weights, self.resident_tables[layer], torch.empty_like(x))
@@ -185,7 +185,7 @@ class ExpertDispatcher:
         assert self.stager is not None, "the device stages host layers for large batches"
         bank = self.stager.bank(layer)
         if grouped_gemm_available(self.device):
-            out = grouped_gemm_ffn(x, expert_ids, weights, bank)
+            out = expert_ffn_grouped_gemm(x, *flatten_pairs(expert_ids, weights), bank)
         else:
             from ops.triton import grouped_expert_ffn, tables_from_bank
             out = grouped_expert_ffn(x, *flatten_pairs(expert_ids, weights), tables_from_bank(bank, self.device))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from ops.cpu_experts import ExpertWeights
+from ops.bank import ExpertWeights
 
 
 def pin_experts(layers: dict[int, ExpertWeights], release: Callable[[int, int], None],

@@ -21,8 +21,8 @@ from engine.expert_cache.policy import CachePolicy, Decision, PolicyConfig, Prom
 from engine.expert_cache.profile import Profile
 from engine.expert_cache.record import LANDED, StepRecord
 from engine.expert_cache.stats import CacheStats
+from ops.bank import ExpertWeights
 from ops.cache_step import OFFER, PUBLISH, TAIL, UNPUBLISH, SlotTables
-from ops.cpu_experts import ExpertWeights
 
 Change = tuple[int, int, int, int]
 

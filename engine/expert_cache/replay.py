@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from engine.expert_cache.plan import CachePlan
 from engine.expert_cache.policy import CachePolicy, Decision, Expert, PolicyConfig, make_policy
 from engine.expert_cache.profile import Profile
-from engine.routing import RoutingTrace
+from engine.trace import RoutingTrace
 
 LAG = 1  # steps between the step a decision is made from and the step before which it applies
 

@@ -13,7 +13,8 @@ import torch
 from engine.config import MissMode
 from engine.expert_cache.cpu_tasks import CpuWork
 from engine.expert_cache.device import empty_bank
-from ops.cpu_experts import ExpertWeights, expert_ffn_cpu
+from ops.bank import ExpertWeights
+from ops.cpu_experts import expert_ffn_cpu
 
 
 def _seconds(fn: Callable[[], None], repeats: int = 3) -> float:

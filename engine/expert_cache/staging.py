@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from engine.expert_cache.device import CopyEngine, bank_shape, empty_bank, expert_parts
-from ops.cpu_experts import ExpertWeights
+from ops.bank import ExpertWeights
 
 
 class LayerStager:

@@ -9,8 +9,8 @@ import torch
 
 from engine.expert_cache.device import bank_to
 from engine.expert_cache.host import pin_experts
-from engine.weights import ModelWeights, MoE, expert_bytes
-from ops.cpu_experts import ExpertWeights
+from engine.weights import ModelWeights, MoE
+from ops.bank import ExpertWeights
 
 
 class ExpertStore:
@@ -29,7 +29,7 @@ class ExpertStore:
         return sorted(self.mapped)
 
     def expert_bytes(self, layer: int) -> int:
-        return expert_bytes(self.mapped[layer])
+        return self.mapped[layer].expert_bytes
 
     def layer_bytes(self) -> dict[int, int]:
         return {i: self.expert_bytes(i) * self.hparams.num_experts for i in self.mapped}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mmap
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,7 +175,3 @@ class GGUFFile:
 
     def __iter__(self) -> Iterator[TensorInfo]:
         return iter(self.tensors.values())
-
-
-def read_metadata(path: str | Path) -> Mapping[str, Any]:
-    return GGUFFile(path).metadata

@@ -94,6 +94,7 @@ MC_INLINE float f32_at(const uint8_t *p) {
 }
 
 MC_INLINE int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+MC_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Rows between a row and the one prefetched while it is computed. */
 MC_INLINE int64_t prefetch_rows(int64_t row_bytes) {

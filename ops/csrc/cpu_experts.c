@@ -6,8 +6,9 @@
  * numbered items (layer.h). Pairs are grouped by expert; every weight row is read once per call and used
  * for all pairs of its expert (MAX_TILE at a time). Weight blocks are decoded in registers inside the dot
  * products, never into a dequantized matrix. Activations are quantized once per call to the int8 form
- * the weight format multiplies with (quant.h). Every output element is summed by one thread in a fixed
- * order, so results do not depend on the thread count.
+ * the weight format multiplies with, in two planes, the second rounding what the first lost, for float32-level
+ * results (quant.h). Every output element is summed by one thread in a fixed order, so results do not depend
+ * on the thread count.
  *
  * Two entry points: moe_expert_ffn (pairs as arrays, from Python through ctypes) and moe_task_run (a
  * moe_task, from a CUDA graph's host node: no Python, no GIL, no CUDA). Calls are serialized: one layer

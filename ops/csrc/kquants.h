@@ -1,11 +1,11 @@
 /* Q4_K, Q5_K, Q6_K rows times int8 activation rows (act_k of quant.h), one 256-weight super-block at a time.
  *
  * Every super-block decodes to the same form: unsigned q[256] (0..63), int16 scales per 16 weights s16,
- * int16 mins per 16 weights m16, and floats d, dm, so that  w[i] = d * s16[i/16] * q[i] - dm * m16[i/16].
- * Then, with the activation block x ~= ad * qs and bsums its sums per 16,
- *   dot(w, x) = ad * (d * sum_j s16[j] * (q . qs)_j  -  dm * sum_j m16[j] * bsums[j])
- * with exact integer inner sums. Q6_K's offset of -32 is a min of 32 * scale with dm = d, subtracted in
- * integers. Block layouts (little endian, fp16 d/dmin):
+ * float mins per 16 weights mins, and a float d, so that  w[i] = d * s16[i/16] * q[i] - mins[i/16].
+ * Then, with the activation block x ~= ad0 * qs0 + ad1 * qs1 (its two planes) and xs those values' sums per 16,
+ *   dot(w, x) = d * sum_p ad_p * sum_j s16[j] * (q . qs_p)_j  -  sum_j mins[j] * xs[j]
+ * with exact integer inner sums; the mins take xs, both planes at once. Q4_K/Q5_K: mins = dmin * min; Q6_K's
+ * offset of -32 is a min of 32 * d * scale. Block layouts (little endian, fp16 d/dmin):
  *   Q4_K 144 B: d, dmin, scales[12] (6-bit scale and min per 32), qs[128] (nibbles)
  *   Q5_K 176 B: d, dmin, scales[12], qh[32] (bit i of qh[l] -> weight 32i+l), qs[128]
  *   Q6_K 210 B: ql[128], qh[64], int8 scales[16] (per 16), d
@@ -55,40 +55,35 @@ MC_INLINE void k4_d_dmin(const uint8_t *blk, float *d, float *dm) {
 
 #if MC_SIMD == 2
 
-/* q[k]: weights 64k .. 64k+63. The dot takes dpbusd sums of 4 products per int32 lane (|sum| <= 4 * 63 *
- * 127 fits int16), packs the lanes of q[0], q[1] and of q[2], q[3] to int16 (packssdw interleaves them
- * per 128-bit lane: 4 lanes of the first, 4 of the second) and scales them with one dpwssd each:
- * sc[j] holds the scale of each packed int16 lane. */
+/* q[k]: weights 64k .. 64k+63; its 128-bit lane L holds group 4k + L of 16 weights. Per activation, the dot
+ * takes dpbusd sums of 4 products per int32 lane (|sum| <= 4 * 63 * 127 fits int16) with both planes, packs
+ * the two to int16 (packssdw: per 128-bit lane 4 lanes of plane 0, then 4 of plane 1) and scales them with
+ * one dpwssd: sc[k] holds the scale of group 4k + L in every int16 lane of 128-bit lane L. */
 typedef struct {
-    __m512i q[4], sc[2];
-    __m256i m16;
-    float d, dm;
+    __m512i q[4], sc[4];
+    __m512 mins; /* per group of 16 */
+    float d;
 } kq_blk;
 
-typedef struct {
-    __m512 v;
-    __m256 m; /* the mins' part, subtracted at the end */
-} kq_acc;
+typedef __m512 kq_acc;
 
-/* vpshufb controls for Q4_K/Q5_K's 8 scale bytes (one per 32 weights): packed int16 lane i of 128-bit
- * lane L of sc[j] comes from q[2j + i/4], whose lanes L = 0,1 are in group 4j + 2(i/4) and L = 2,3 in
- * the next one; the high byte is 0. */
-static const uint8_t K4_SCALE_PICK[2][64] __attribute__((aligned(64))) = {
-#define K4_I16(s) s, 0x80, s, 0x80, s, 0x80, s, 0x80
-#define K4_LANE(a, b) K4_I16(a), K4_I16(b)
-#define K4_ROW(j) {K4_LANE(4 * j, 4 * j + 2), K4_LANE(4 * j, 4 * j + 2), K4_LANE(4 * j + 1, 4 * j + 3), \
-                   K4_LANE(4 * j + 1, 4 * j + 3)}
-    K4_ROW(0), K4_ROW(1),
+/* vpshufb controls for Q4_K/Q5_K's 8 scale bytes (one per 32 weights): group 4k + L takes byte 2k + L/2;
+ * the high byte is 0. */
+static const uint8_t K4_SCALE_PICK[4][64] __attribute__((aligned(64))) = {
+#define K4_LANE(s) s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80, s, 0x80
+#define K4_ROW(k) {K4_LANE(2 * k), K4_LANE(2 * k), K4_LANE(2 * k + 1), K4_LANE(2 * k + 1)}
+    K4_ROW(0), K4_ROW(1), K4_ROW(2), K4_ROW(3),
 #undef K4_ROW
 #undef K4_LANE
-#undef K4_I16
 };
 
-MC_INLINE void k4_scales(const uint8_t *s12, kq_blk *r) {
+MC_INLINE void k4_scales(const uint8_t *s12, float dm, kq_blk *r) {
     const __m128i v = k4_scale_bytes(s12);
     const __m512i vb = _mm512_broadcast_i32x4(v);
-    for (int j = 0; j < 2; ++j) r->sc[j] = _mm512_shuffle_epi8(vb, _mm512_load_si512(K4_SCALE_PICK[j]));
-    r->m16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v)); /* each per-32 min covers two groups of 16 */
+    for (int k = 0; k < 4; ++k) r->sc[k] = _mm512_shuffle_epi8(vb, _mm512_load_si512(K4_SCALE_PICK[k]));
+    /* each per-32 min covers two groups of 16 */
+    const __m512i m = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(v, v));
+    r->mins = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(dm));
 }
 
 /* both nibbles of a 32-byte chunk: low ones in the lower 256 bits, high ones in the upper */
@@ -112,12 +107,12 @@ MC_INLINE void k5_high_bits(const uint8_t *qh, kq_blk *r) {
     for (int k = 0; k < 4; ++k) r->q[k] = or_high_bits(r->q[k], hb, 2 * k, 2 * k + 1, 0x10);
 }
 
-/* Q6_K scales, one per 16 weights: packed int16 lane i of 128-bit lane L of sc[j] is in group
- * 8j + 4(i/4) + L */
-static const int16_t K6_SCALE_INDEX[2][32] __attribute__((aligned(64))) = {
-#define K6_LANE(g) g, g, g, g, g + 4, g + 4, g + 4, g + 4
-    {K6_LANE(0), K6_LANE(1), K6_LANE(2), K6_LANE(3)},
-    {K6_LANE(8), K6_LANE(9), K6_LANE(10), K6_LANE(11)},
+/* Q6_K scales, one per 16 weights: every int16 lane of 128-bit lane L of sc[k] takes group 4k + L */
+static const int16_t K6_SCALE_INDEX[4][32] __attribute__((aligned(64))) = {
+#define K6_LANE(g) g, g, g, g, g, g, g, g
+#define K6_ROW(k) {K6_LANE(4 * k), K6_LANE(4 * k + 1), K6_LANE(4 * k + 2), K6_LANE(4 * k + 3)}
+    K6_ROW(0), K6_ROW(1), K6_ROW(2), K6_ROW(3),
+#undef K6_ROW
 #undef K6_LANE
 };
 
@@ -130,49 +125,41 @@ MC_INLINE void decode_q6k(const uint8_t *blk, kq_blk *r) {
         r->q[2 * h + 1] = or_high_bits(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hh, 4, 6, 0x30);
     }
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-    for (int j = 0; j < 2; ++j)
-        r->sc[j] = _mm512_permutexvar_epi16(_mm512_load_si512(K6_SCALE_INDEX[j]), _mm512_castsi256_si512(s16));
-    r->m16 = _mm256_slli_epi16(s16, 5); /* the -32 offset, as a min of 32 * scale */
-    r->d = r->dm = fp16_to_fp32(blk + 208);
+    for (int k = 0; k < 4; ++k)
+        r->sc[k] = _mm512_permutexvar_epi16(_mm512_load_si512(K6_SCALE_INDEX[k]), _mm512_castsi256_si512(s16));
+    r->d = fp16_to_fp32(blk + 208);
+    /* the -32 offset, as a min of 32 * d * scale */
+    r->mins = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(s16)), _mm512_set1_ps(32.0f * r->d));
 }
 
-MC_INLINE __m512i kq_isum(const kq_blk *r, const int8_t *qs) {
+/* int32 lanes 0, 1 of each 128-bit lane of the sums are plane 0's, lanes 2, 3 plane 1's: a.d is d0, d0, d1, d1.
+ * |each lane| <= 8 * 32767 * 128 fits int32. */
+MC_INLINE void kq_dot(const kq_blk *r, act_k_blk a, kq_acc *acc) {
     const __m512i z = _mm512_setzero_si512();
-    __m512i p[4];
-    for (int k = 0; k < 4; ++k) p[k] = _mm512_dpbusd_epi32(z, r->q[k], _mm512_load_si512(qs + 64 * k));
-    const __m512i s = _mm512_dpwssd_epi32(z, _mm512_packs_epi32(p[0], p[1]), r->sc[0]);
-    return _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p[2], p[3]), r->sc[1]);
+    __m512i s = z;
+    for (int k = 0; k < 4; ++k) {
+        const __m512i p0 = _mm512_dpbusd_epi32(z, r->q[k], _mm512_load_si512(a.qs[0] + 64 * k));
+        const __m512i p1 = _mm512_dpbusd_epi32(z, r->q[k], _mm512_load_si512(a.qs[1] + 64 * k));
+        s = _mm512_dpwssd_epi32(s, _mm512_packs_epi32(p0, p1), r->sc[k]);
+    }
+    const __m512 ad = _mm512_mul_ps(_mm512_set1_ps(r->d), _mm512_broadcast_f32x4(_mm_load_ps(a.d)));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), ad, *acc);
+    *acc = _mm512_fnmadd_ps(r->mins, _mm512_load_ps(a.sums), *acc);
 }
 
-/* Q4_K, Q5_K: the mins scale by dm */
-MC_INLINE void kq_dot_min(const kq_blk *r, const int8_t *qs, const int16_t *bsums, float ad, kq_acc *acc) {
-    const __m256i msum = _mm256_madd_epi16(r->m16, _mm256_loadu_si256((const __m256i *)bsums));
-    acc->v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(kq_isum(r, qs)), _mm512_set1_ps(r->d * ad), acc->v);
-    acc->m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(r->dm * ad), acc->m);
-}
-
-/* Q6_K: the offset scales by d, like the weights */
-MC_INLINE void kq_dot_offset(const kq_blk *r, const int8_t *qs, const int16_t *bsums, float ad, kq_acc *acc) {
-    const __m256i msum = _mm256_madd_epi16(r->m16, _mm256_loadu_si256((const __m256i *)bsums));
-    const __m512i isum = _mm512_sub_epi32(kq_isum(r, qs), _mm512_zextsi256_si512(msum));
-    acc->v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(r->d * ad), acc->v);
-}
-
-MC_INLINE kq_acc kq_acc_zero(void) { return (kq_acc){_mm512_setzero_ps(), _mm256_setzero_ps()}; }
-MC_INLINE float kq_acc_sum(kq_acc acc) { return _mm512_reduce_add_ps(acc.v) - hsum256_ps(acc.m); }
+MC_INLINE kq_acc kq_acc_zero(void) { return _mm512_setzero_ps(); }
+MC_INLINE float kq_acc_sum(kq_acc acc) { return _mm512_reduce_add_ps(acc); }
 
 #elif MC_SIMD == 1
 
 /* q[k]: weights 32k .. 32k+31; sc[k]: the int16 scale of each of its maddubs lanes */
 typedef struct {
     __m256i q[8], sc[8];
-    __m256i m16;
-    float d, dm;
+    __m256 mins[2]; /* groups 0..7, 8..15 */
+    float d;
 } kq_blk;
 
-typedef struct {
-    __m256 v, m;
-} kq_acc;
+typedef __m256 kq_acc;
 
 /* bytes of int16 lanes 2m (low 128-bit lane) and 2m+1 (high lane), repeated */
 MC_INLINE __m256i kq_scale_shuffle(int m) {
@@ -188,11 +175,18 @@ MC_INLINE void kq_spread_scales(__m256i s16, kq_blk *r) {
     for (int k = 0; k < 8; ++k) r->sc[k] = _mm256_shuffle_epi8(k < 4 ? lo : hi, kq_scale_shuffle(k % 4));
 }
 
-MC_INLINE void k4_scales(const uint8_t *s12, kq_blk *r) {
+/* m16: int16 min per group of 16, times dm */
+MC_INLINE void kq_set_mins(__m256i m16, float dm, kq_blk *r) {
+    const __m256 vdm = _mm256_set1_ps(dm);
+    r->mins[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(m16))), vdm);
+    r->mins[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(m16, 1))), vdm);
+}
+
+MC_INLINE void k4_scales(const uint8_t *s12, float dm, kq_blk *r) {
     const __m128i v = k4_scale_bytes(s12);
     /* each per-32 value covers two groups of 16 */
     kq_spread_scales(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v)), r);
-    r->m16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
+    kq_set_mins(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v)), dm, r);
 }
 
 MC_INLINE void k4_nibbles(const uint8_t *qs, kq_blk *r) {
@@ -229,8 +223,8 @@ MC_INLINE void decode_q6k(const uint8_t *blk, kq_blk *r) {
     }
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
     kq_spread_scales(s16, r);
-    r->m16 = _mm256_slli_epi16(s16, 5); /* the -32 offset, as a min of 32 * scale */
-    r->d = r->dm = fp16_to_fp32(blk + 208);
+    r->d = fp16_to_fp32(blk + 208);
+    kq_set_mins(s16, 32.0f * r->d, r); /* the -32 offset, as a min of 32 * d * scale */
 }
 
 MC_INLINE __m256i kq_isum(const kq_blk *r, const int8_t *qs) {
@@ -242,41 +236,35 @@ MC_INLINE __m256i kq_isum(const kq_blk *r, const int8_t *qs) {
     return s;
 }
 
-MC_INLINE void kq_dot_min(const kq_blk *r, const int8_t *qs, const int16_t *bsums, float ad, kq_acc *acc) {
-    const __m256i msum = _mm256_madd_epi16(r->m16, _mm256_loadu_si256((const __m256i *)bsums));
-    acc->v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_isum(r, qs)), _mm256_set1_ps(r->d * ad), acc->v);
-    acc->m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(r->dm * ad), acc->m);
+MC_INLINE void kq_dot(const kq_blk *r, act_k_blk a, kq_acc *acc) {
+    for (int p = 0; p < ACT_PLANES; ++p)
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(kq_isum(r, a.qs[p])), _mm256_set1_ps(r->d * a.d[2 * p]), *acc);
+    *acc = _mm256_fnmadd_ps(r->mins[0], _mm256_load_ps(a.sums), *acc);
+    *acc = _mm256_fnmadd_ps(r->mins[1], _mm256_load_ps(a.sums + 8), *acc);
 }
 
-MC_INLINE void kq_dot_offset(const kq_blk *r, const int8_t *qs, const int16_t *bsums, float ad, kq_acc *acc) {
-    const __m256i msum = _mm256_madd_epi16(r->m16, _mm256_loadu_si256((const __m256i *)bsums));
-    const __m256i isum = _mm256_sub_epi32(kq_isum(r, qs), msum);
-    acc->v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(r->d * ad), acc->v);
-}
-
-MC_INLINE kq_acc kq_acc_zero(void) { return (kq_acc){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-MC_INLINE float kq_acc_sum(kq_acc acc) { return hsum256_ps(acc.v) - hsum256_ps(acc.m); }
+MC_INLINE kq_acc kq_acc_zero(void) { return _mm256_setzero_ps(); }
+MC_INLINE float kq_acc_sum(kq_acc acc) { return hsum256_ps(acc); }
 
 #else
 
 typedef struct {
     uint8_t q[QK_K];
-    int16_t s16[16], m16[16];
-    float d, dm;
+    int16_t s16[16];
+    float mins[16];
+    float d;
 } kq_blk;
 
-typedef struct {
-    float v, m;
-} kq_acc;
+typedef float kq_acc;
 
-MC_INLINE void k4_scales(const uint8_t *s12, kq_blk *r) {
+MC_INLINE void k4_scales(const uint8_t *s12, float dm, kq_blk *r) {
     uint32_t u[4];
     uint8_t b[16];
     k4_scale_words(s12, u);
     memcpy(b, u, 16);
     for (int j = 0; j < 16; ++j) {
         r->s16[j] = b[j / 2];
-        r->m16[j] = b[8 + j / 2];
+        r->mins[j] = (float)b[8 + j / 2] * dm;
     }
 }
 
@@ -302,38 +290,30 @@ MC_INLINE void decode_q6k(const uint8_t *blk, kq_blk *r) {
             r->q[128 * h + 64 + l] = (l0 >> 4) | (((hh >> 4) & 3) << 4);
             r->q[128 * h + 96 + l] = (l1 >> 4) | (((hh >> 6) & 3) << 4);
         }
+    r->d = fp16_to_fp32(blk + 208);
     for (int j = 0; j < 16; ++j) {
         r->s16[j] = (int8_t)blk[192 + j];
-        r->m16[j] = (int16_t)(32 * r->s16[j]);
+        r->mins[j] = (float)r->s16[j] * (32.0f * r->d); /* the -32 offset, as a min of 32 * d * scale */
     }
-    r->d = r->dm = fp16_to_fp32(blk + 208);
 }
 
-MC_INLINE void kq_sums(const kq_blk *r, const int8_t *qs, const int16_t *bsums, int32_t *isum, int32_t *msum) {
-    *isum = *msum = 0;
+MC_INLINE int32_t kq_isum(const kq_blk *r, const int8_t *qs) {
+    int32_t isum = 0;
     for (int j = 0; j < 16; ++j) {
         int32_t s = 0;
         for (int l = 0; l < 16; ++l) s += r->q[16 * j + l] * qs[16 * j + l];
-        *isum += r->s16[j] * s;
-        *msum += r->m16[j] * bsums[j];
+        isum += r->s16[j] * s;
     }
+    return isum;
 }
 
-MC_INLINE void kq_dot_min(const kq_blk *r, const int8_t *qs, const int16_t *bsums, float ad, kq_acc *acc) {
-    int32_t isum, msum;
-    kq_sums(r, qs, bsums, &isum, &msum);
-    acc->v += r->d * ad * (float)isum;
-    acc->m += r->dm * ad * (float)msum;
+MC_INLINE void kq_dot(const kq_blk *r, act_k_blk a, kq_acc *acc) {
+    for (int p = 0; p < ACT_PLANES; ++p) *acc += r->d * a.d[2 * p] * (float)kq_isum(r, a.qs[p]);
+    for (int j = 0; j < 16; ++j) *acc -= r->mins[j] * a.sums[j];
 }
 
-MC_INLINE void kq_dot_offset(const kq_blk *r, const int8_t *qs, const int16_t *bsums, float ad, kq_acc *acc) {
-    int32_t isum, msum;
-    kq_sums(r, qs, bsums, &isum, &msum);
-    acc->v += r->d * ad * (float)(isum - msum);
-}
-
-MC_INLINE kq_acc kq_acc_zero(void) { return (kq_acc){0.0f, 0.0f}; }
-MC_INLINE float kq_acc_sum(kq_acc acc) { return acc.v - acc.m; }
+MC_INLINE kq_acc kq_acc_zero(void) { return 0.0f; }
+MC_INLINE float kq_acc_sum(kq_acc acc) { return acc; }
 
 #endif
 
@@ -345,14 +325,16 @@ MC_INLINE void k4_d_dmin(const uint8_t *blk, float *d, float *dm) {
 #endif
 
 MC_INLINE void decode_q4k(const uint8_t *blk, kq_blk *r) {
-    k4_d_dmin(blk, &r->d, &r->dm);
-    k4_scales(blk + 4, r);
+    float dm;
+    k4_d_dmin(blk, &r->d, &dm);
+    k4_scales(blk + 4, dm, r);
     k4_nibbles(blk + 16, r);
 }
 
 MC_INLINE void decode_q5k(const uint8_t *blk, kq_blk *r) {
-    k4_d_dmin(blk, &r->d, &r->dm);
-    k4_scales(blk + 4, r);
+    float dm;
+    k4_d_dmin(blk, &r->d, &dm);
+    k4_scales(blk + 4, dm, r);
     k4_nibbles(blk + 48, r);
     k5_high_bits(blk + 16, r);
 }
@@ -360,11 +342,10 @@ MC_INLINE void decode_q5k(const uint8_t *blk, kq_blk *r) {
 /* ---- rows ---- */
 
 typedef void (*kq_decode_fn)(const uint8_t *blk, kq_blk *r);
-typedef void (*kq_dot_fn)(const kq_blk *r, const int8_t *qs, const int16_t *bsums, float ad, kq_acc *acc);
 
-/* Each super-block is decoded once and used for all nt activation rows; nm and nt are constants where the
- * caller passes them, so the accumulators stay in registers. */
-MC_INLINE void kq_rows(const rows_job *j, int64_t n, const int nm, const int nt, kq_decode_fn decode, kq_dot_fn dot,
+/* Each super-block is decoded once and used for both planes of all nt activation rows; nm and nt are constants
+ * where the caller passes them, so the accumulators stay in registers. */
+MC_INLINE void kq_rows(const rows_job *j, int64_t n, const int nm, const int nt, kq_decode_fn decode,
                        int64_t block_bytes) {
     const int64_t pf = prefetch_rows(j->w[0].row_bytes);
     for (int64_t r = 0; r < j->num_rows; ++r) {
@@ -376,10 +357,7 @@ MC_INLINE void kq_rows(const rows_job *j, int64_t n, const int nm, const int nt,
             for (int m = 0; m < nm; ++m) {
                 kq_blk blk;
                 decode(j->w[m].w + r * j->w[m].row_bytes + b * block_bytes, &blk);
-                for (int i = 0; i < nt; ++i) {
-                    const uint8_t *a = j->acts[m][i];
-                    dot(&blk, (const int8_t *)a + b * QK_K, act_k_bsums(a, n) + 16 * b, act_k_d(a, n)[b], &acc[m][i]);
-                }
+                for (int i = 0; i < nt; ++i) kq_dot(&blk, act_k_block(j->acts[m][i], n, b), &acc[m][i]);
             }
         for (int m = 0; m < nm; ++m)
             for (int i = 0; i < nt; ++i) j->out[m][i * j->out_stride + r] = kq_acc_sum(acc[m][i]);
@@ -387,22 +365,22 @@ MC_INLINE void kq_rows(const rows_job *j, int64_t n, const int nm, const int nt,
 }
 
 /* one instance per common (nm, nt): batch 1 and 2 */
-#define KQ_ROWS_FN(name, decode, dot, block_bytes)                                \
+#define KQ_ROWS_FN(name, decode, block_bytes)                                     \
     static void name(const rows_job *j, int64_t n) {                              \
         if (j->nm == 1 && j->nt == 1)                                             \
-            kq_rows(j, n, 1, 1, decode, dot, block_bytes);                        \
+            kq_rows(j, n, 1, 1, decode, block_bytes);                             \
         else if (j->nm == 2 && j->nt == 1)                                        \
-            kq_rows(j, n, 2, 1, decode, dot, block_bytes);                        \
+            kq_rows(j, n, 2, 1, decode, block_bytes);                             \
         else if (j->nm == 1 && j->nt == 2)                                        \
-            kq_rows(j, n, 1, 2, decode, dot, block_bytes);                        \
+            kq_rows(j, n, 1, 2, decode, block_bytes);                             \
         else if (j->nm == 2 && j->nt == 2)                                        \
-            kq_rows(j, n, 2, 2, decode, dot, block_bytes);                        \
+            kq_rows(j, n, 2, 2, decode, block_bytes);                             \
         else                                                                      \
-            kq_rows(j, n, j->nm, j->nt, decode, dot, block_bytes);                \
+            kq_rows(j, n, j->nm, j->nt, decode, block_bytes);                     \
     }
 
-KQ_ROWS_FN(dot_q4k_rows, decode_q4k, kq_dot_min, 144)
-KQ_ROWS_FN(dot_q5k_rows, decode_q5k, kq_dot_min, 176)
-KQ_ROWS_FN(dot_q6k_rows, decode_q6k, kq_dot_offset, 210)
+KQ_ROWS_FN(dot_q4k_rows, decode_q4k, 144)
+KQ_ROWS_FN(dot_q5k_rows, decode_q5k, 176)
+KQ_ROWS_FN(dot_q6k_rows, decode_q6k, 210)
 
 #endif

@@ -74,8 +74,6 @@ MC_INLINE row_span mat_rows(const expert_mat *m, int64_t expert, int64_t r0, int
     return (row_span){m->data + (expert * m->rows + r0) * m->row_bytes, m->row_bytes, num_rows};
 }
 
-MC_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
 /* ---- scratch ---- */
 
 static uint8_t *carve(arena *a, int64_t bytes) {

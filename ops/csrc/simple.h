@@ -1,4 +1,4 @@
-/* Q8_0 rows times int8 activation rows (act_q8_0 of quant.h), and F32/F16/BF16 rows times float rows.
+/* Q8_0 rows times two-plane int8 activation rows (act_q8_0 of quant.h), and F32/F16/BF16 rows times float rows.
  *   Q8_0 34 B per 32 weights: fp16 d, int8 qs[32]; w = d * q.
  */
 #ifndef MOECACHE_SIMPLE_H
@@ -14,7 +14,7 @@ typedef __m512 q8_acc;
 typedef struct {
     __m512i uq;    /* |q| of both blocks */
     __mmask64 neg; /* where q < 0 */
-    __m128 dw;     /* d of both blocks */
+    __m512 dw;     /* d of block b in lanes 0..7, of block b+1 in 8..15: the dpbusd lanes' blocks */
 } q8_pair;
 
 MC_INLINE void q8_decode_pair(const uint8_t *blk, q8_pair *p) {
@@ -25,7 +25,9 @@ MC_INLINE void q8_decode_pair(const uint8_t *blk, q8_pair *p) {
     memcpy(&h1, blk + 34, 2);
     p->uq = _mm512_abs_epi8(q);
     p->neg = _mm512_movepi8_mask(q);
-    p->dw = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)h0 | (uint32_t)h1 << 16)));
+    const __m128 dw = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)h0 | (uint32_t)h1 << 16)));
+    p->dw = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                  _mm512_castps128_ps512(dw));
 }
 
 /* the last block of an odd count, in the lower half */
@@ -33,22 +35,27 @@ MC_INLINE void q8_decode_one(const uint8_t *blk, q8_pair *p) {
     const __m512i q = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 2)));
     p->uq = _mm512_maskz_abs_epi8(0xffffffffull, q);
     p->neg = _mm512_movepi8_mask(q) & 0xffffffffull;
-    p->dw = _mm_set_ss(fp16_to_fp32(blk));
+    p->dw = _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(fp16_to_fp32(blk)));
 }
 
-/* a: the activations of blocks b, b+1 (b + 1 past the row: 0 in uq); ad: their scales */
-MC_INLINE void q8_dot_pair(const q8_pair *p, const int8_t *a, const float *ad, int two, q8_acc *acc) {
-    const __m512i va = two ? _mm512_load_si512(a) : _mm512_maskz_loadu_epi8(0xffffffffull, a);
-    const __m512i sa = _mm512_mask_sub_epi8(va, p->neg, _mm512_setzero_si512(), va);
-    const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p->uq, sa);
-    const __m128 sd = two ? _mm_castpd_ps(_mm_load_sd((const double *)ad)) : _mm_load_ss(ad);
-    /* lanes 0..7 scale by block b, 8..15 by block b+1 */
-    const __m512 s16 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                             _mm512_castps128_ps512(_mm_mul_ps(p->dw, sd)));
-    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s16, *acc);
+/* 64 (or, where !two, 32) activations with the sign of the weights they meet */
+MC_INLINE __m512i q8_signed(const q8_pair *p, const uint8_t *a, int two) {
+    const __m512i va = two ? _mm512_loadu_si512(a) : _mm512_maskz_loadu_epi8(0xffffffffull, a);
+    return _mm512_mask_sub_epi8(va, p->neg, _mm512_setzero_si512(), va);
 }
 
-/* blocks b and, where `two`, b+1 of row w for nt activation rows */
+/* Blocks b, b+1 (b + 1 past the row: 0 in uq and dw) of both planes of activation row a: their dpbusd sums
+ * t0, t1 (|t| <= 4 * 128 * 127 per lane) make one integer t = 2^PLANE_BITS * t0 + t1 < 2^24, exact in float,
+ * scaled by the activation block's d and the weights'. */
+MC_INLINE void q8_dot_pair(const q8_pair *p, const uint8_t *a, int64_t n, int64_t b, int two, q8_acc *acc) {
+    const uint8_t *a0 = a + QK8_0 * b, *a1 = a0 + n;
+    const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p->uq, q8_signed(p, a0, two));
+    const __m512i t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t0, PLANE_BITS), p->uq, q8_signed(p, a1, two));
+    const float ad = act_q8_0_d(a, n)[b * QK8_0 / QA8];
+    *acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(ad)), p->dw, *acc);
+}
+
+/* blocks b (even) and, where `two`, b+1 of row w for nt activation rows */
 MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *const *acts, int nt, int64_t n,
                        q8_acc *acc) {
     q8_pair p;
@@ -56,8 +63,7 @@ MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *cons
         q8_decode_pair(w + 34 * b, &p);
     else
         q8_decode_one(w + 34 * b, &p);
-    for (int i = 0; i < nt; ++i)
-        q8_dot_pair(&p, (const int8_t *)acts[i] + 32 * b, act_q8_0_d(acts[i], n) + b, two, &acc[i]);
+    for (int i = 0; i < nt; ++i) q8_dot_pair(&p, acts[i], n, b, two, &acc[i]);
 }
 
 MC_INLINE q8_acc q8_acc_zero(void) { return _mm512_setzero_ps(); }
@@ -80,9 +86,12 @@ MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *cons
         const float d = fp16_to_fp32(blk);
         const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
         for (int i = 0; i < nt; ++i) {
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(acts[i] + 32 * k));
-            const float ad = act_q8_0_d(acts[i], n)[k];
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot32(q, a)), _mm256_set1_ps(d * ad), acc[i]);
+            const uint8_t *a = acts[i] + QK8_0 * k;
+            const __m256i t0 = q8_dot32(q, _mm256_loadu_si256((const __m256i *)a));
+            const __m256i t1 = q8_dot32(q, _mm256_loadu_si256((const __m256i *)(a + n)));
+            const __m256i t = _mm256_add_epi32(_mm256_slli_epi32(t0, PLANE_BITS), t1);
+            const float ad = act_q8_0_d(acts[i], n)[k * QK8_0 / QA8];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d * ad), acc[i]);
         }
     }
 }
@@ -102,10 +111,10 @@ MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *cons
         /* read through an int8_t pointer: GCC 12 -O3 vectorizes `(int8_t)u8 * s8` as unsigned */
         const int8_t *q = (const int8_t *)(blk + 2);
         for (int i = 0; i < nt; ++i) {
-            const int8_t *a = (const int8_t *)acts[i] + 32 * k;
-            int32_t isum = 0;
-            for (int l = 0; l < QK8_0; ++l) isum += q[l] * a[l];
-            acc[i] += d * act_q8_0_d(acts[i], n)[k] * (float)isum;
+            const int8_t *a = (const int8_t *)acts[i] + QK8_0 * k;
+            int32_t t0 = 0, t1 = 0;
+            for (int l = 0; l < QK8_0; ++l) t0 += q[l] * a[l], t1 += q[l] * a[n + l];
+            acc[i] += d * act_q8_0_d(acts[i], n)[k * QK8_0 / QA8] * (float)(t0 * (1 << PLANE_BITS) + t1);
         }
     }
 }

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from ops.bank import ExpertWeights
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vector, resolve
 from ops.triton.combine import launch_combine
 from ops.triton.down import launch_down
@@ -25,31 +25,10 @@ from ops.triton.gate_up import default_block_tokens, launch_gate_up
 from ops.triton.prepare import launch_prepare
 from ops.triton.qdot import GROUP, has_kernel
 from ops.triton.stage import Fill, fill_experts
-from ops.triton.tables import ExpertTables, QType
+from ops.triton.tables import ExpertTables
 
 _TABLE_CACHE_SIZE = 256
 _table_cache: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
-
-
-class ExpertBank(Protocol):
-    """Experts as raw bytes, first dimension = bank row (`ops.cpu_experts.ExpertWeights` is one)."""
-
-    @property
-    def gate(self) -> torch.Tensor: ...  # uint8 [rows, ff, row_bytes(gate_type, hidden)]
-    @property
-    def up(self) -> torch.Tensor: ...  # uint8 [rows, ff, row_bytes(up_type, hidden)]
-    @property
-    def down(self) -> torch.Tensor: ...  # uint8 [rows, hidden, row_bytes(down_type, ff)]
-    @property
-    def gate_type(self) -> QType: ...
-    @property
-    def up_type(self) -> QType: ...
-    @property
-    def down_type(self) -> QType: ...
-    @property
-    def hidden(self) -> int: ...
-    @property
-    def ff(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -123,7 +102,7 @@ def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
     return h, h_sums, y
 
 
-def tables_from_bank(bank: ExpertBank, device: torch.device) -> ExpertTables:
+def tables_from_bank(bank: ExpertWeights, device: torch.device) -> ExpertTables:
     """Pointer tables on `device` addressing every row of the bank. The bank lives on `device`, or in
     pinned host memory (read zero-copy by the GPU)."""
     device = resolve(device)
@@ -142,8 +121,8 @@ def tables_from_bank(bank: ExpertBank, device: torch.device) -> ExpertTables:
 
 
 def expert_ffn_triton(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
-                      bank: ExpertBank) -> torch.Tensor:
-    """The signature of `ops.expert_ffn.expert_ffn_torch`: pairs (token, bank row), row -1 skipped."""
+                      bank: ExpertWeights) -> torch.Tensor:
+    """The signature of `ops.expert_ffn`: pairs (token, bank row), row -1 skipped."""
     return grouped_expert_ffn(x, token_ids, bank_rows, weights, tables_from_bank(bank, x.device))
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
+from ops.bank import expert_bytes
 from ops.quants import row_bytes
 
 QType = GGMLQuantizationType
@@ -74,4 +75,4 @@ class ExpertTables:
 
     @property
     def expert_bytes(self) -> int:
-        return self.ff * (self.gate_row_bytes + self.up_row_bytes) + self.hidden * self.down_row_bytes
+        return expert_bytes(self.gate_type, self.up_type, self.down_type, self.hidden, self.ff)

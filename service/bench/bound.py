@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, is_dataclass
 import torch
 
 from engine.weights import ModelWeights
-from ops.cpu_experts import ExpertWeights
+from ops.bank import ExpertWeights
 from service.bench.ceilings import Ceilings
 
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.expert_cache.split import measure_link_gbps
-from ops.cpu_experts import ExpertWeights, benchmark_cpu_experts, memory_bandwidth_gbps, row_bytes
+from ops.bank import ExpertWeights, row_bytes
 from ops.quants import QType
+from tools.bench_cpu import benchmark_cpu_experts, memory_bandwidth_gbps
 
 HOST_BYTES = 256 << 20  # per host measurement: far beyond the last-level cache
 DEVICE_BYTES = 1 << 30  # per device-memory copy

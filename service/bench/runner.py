@@ -21,9 +21,9 @@ from engine.expert_cache.placement import choose_placement
 from engine.expert_cache.plan import CacheBudgetError
 from engine.expert_cache.stats import CacheStatsSnapshot
 from engine.llm_engine import LLMEngine
-from engine.routing import make_router
 from engine.types import Request, SamplingParams
 from service.bench.sweep import SweepPoint, cache_config
+from tools.routing import make_router
 
 PREFILL, DECODE_PROMPT, DECODE = "prefill", "decode-prompt", "decode"
 

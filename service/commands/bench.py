@@ -13,6 +13,7 @@ from service.bench.report import BenchReport, describe_machine, format_table, ro
 from service.bench.results import run_sweep
 from service.bench.runner import RunSettings
 from service.bench.sweep import SweepPoint, comma_list, fraction, sweep_points
+from service.engine_setup import ROUTING_HELP, load_engine
 from service.options import add_engine_options, engine_config
 from service.progress import ProgressBar
 
@@ -41,8 +42,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     r.add_argument("-c", "--ctx-size", type=int, default=None, help="context per sequence (default: what the "
                    "longest request needs)")
-    r.add_argument("--routing", default="model", help="model | trace:FILE | synthetic:qwen3 | "
-                   "synthetic:mixtral (anything but model replaces the routers' choice of experts)")
+    r.add_argument("--routing", default="model", help=f"{ROUTING_HELP} (anything but model replaces the routers' "
+                   "choice of experts)")
     r.add_argument("--json", default=None, metavar="FILE",
                    help="every figure with its configuration and the machine")
     r.add_argument("--plot", default=None, metavar="FILE.png",
@@ -86,7 +87,7 @@ def base_config(args: argparse.Namespace, settings: RunSettings, first: SweepPoi
 def run(args: argparse.Namespace) -> int:
     settings, points = settings_of(args), points_of(args)
     print(routing_notice(args.routing), flush=True)
-    engine = LLMEngine(base_config(args, settings, points[0]), progress=ProgressBar())
+    engine = load_engine(base_config(args, settings, points[0]), ProgressBar())  # routing: per configuration
     try:
         ceilings = measure_ceilings(engine.device, _expert_shape(engine), args.cpu_threads)
 

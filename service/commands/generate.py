@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from engine.llm_engine import LLMEngine
 from engine.types import Request, SamplingParams
+from service.engine_setup import load_engine
 from service.options import add_engine_options, engine_config
 from service.progress import ProgressBar
 
@@ -44,7 +45,7 @@ def prompt_ids(engine: LLMEngine, args: argparse.Namespace) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     config = engine_config(args)  # one prompt: one KV slot
     config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=1))
-    engine = LLMEngine(config, progress=ProgressBar())
+    engine = load_engine(config, ProgressBar(), args.routing)
     print(engine.cache.describe(), file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repeat_penalty,

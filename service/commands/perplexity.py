@@ -25,6 +25,7 @@ from engine.config import MISS_MODES, EngineConfig
 from engine.llm_engine import LLMEngine
 from service.commands.kld import Divergence, Perplexity, report
 from service.commands.logits_file import BaseFile, encode_rows, open_base, write_header
+from service.engine_setup import load_engine
 from service.options import add_engine_options, engine_config
 from service.progress import ProgressBar
 
@@ -64,7 +65,7 @@ def make_engine(args: argparse.Namespace, num_ctx: int) -> LLMEngine:
     config: EngineConfig = engine_config(args)
     model = replace(config.model, max_context=max(config.model.max_context, num_ctx))
     config = replace(config, model=model)
-    engine = LLMEngine(config, progress=ProgressBar(sys.stderr))
+    engine = load_engine(config, ProgressBar(sys.stderr), args.routing)
     print(engine.cache.describe(), file=sys.stderr, flush=True)
     if engine.tokenizer.spec.add_eos:
         raise ValueError("the vocabulary adds EOS to every text: chunks cannot be scored as llama.cpp does")

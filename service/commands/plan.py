@@ -16,7 +16,8 @@ from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache, smalle
 from engine.expert_cache.policy import PolicyConfig
 from engine.expert_cache.replay import profile_from_trace, replay
 from engine.gguf.reader import GGUFFile
-from engine.routing import RoutingTrace
+from engine.trace import RoutingTrace
+from ops.bank import expert_bytes
 from service.options import default_of
 
 
@@ -40,10 +41,11 @@ def host_layers(gguf: GGUFFile, n_cpu_moe: int) -> list[LayerExperts]:
     for i in range(num_layers):
         if not gguf.has(layer_tensor(i, "gate_exps")):
             continue
-        infos = [gguf.tensor(layer_tensor(i, role)) for role in ("gate_exps", "up_exps", "down_exps")]
-        per_expert = sum(t.num_bytes // t.shape[0] for t in infos)
+        gate, up, down = infos = [gguf.tensor(layer_tensor(i, role)) for role in ("gate_exps", "up_exps", "down_exps")]
+        num_experts, ff, hidden = gate.shape  # gate [experts, ff, hidden]
+        per_expert = expert_bytes(gate.qtype, up.qtype, down.qtype, hidden, ff)
         key = tuple((t.qtype.name, t.shape[1:]) for t in infos)
-        layers.append(LayerExperts(i, infos[0].shape[0], top_k, per_expert, key))
+        layers.append(LayerExperts(i, num_experts, top_k, per_expert, key))
     return layers[:n_cpu_moe] if n_cpu_moe else layers
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 
 from engine.config import EngineConfig
+from service.engine_setup import load_engine
 from service.jobs.run import WorkerOptions
 from service.jobs.runtime import JobOptions, default_jobs_db
 from service.openai.limits import Limits
@@ -53,4 +55,5 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    return asyncio.run(serve(serve_config(args), serve_options(args), ProgressBar()))
+    load = functools.partial(load_engine, routing=args.routing)
+    return asyncio.run(serve(serve_config(args), serve_options(args), ProgressBar(), load))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from engine.gguf.embedded_vocab import build_vocab
-from engine.synth import PRESETS, with_overrides, write_synth
 from ops.quants import QType
 from service.progress import ProgressBar
+from tools.embedded_vocab import build_vocab
+from tools.synth import PRESETS, with_overrides, write_synth
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

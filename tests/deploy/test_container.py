@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 # Read by the code, not flags: where compiled kernels and the embedded model are kept.
-NON_FLAG_VARIABLES = {"MOECACHE_CACHE_DIR": ("engine/embedded.py", "ops/native.py")}
+NON_FLAG_VARIABLES = {"MOECACHE_CACHE_DIR": ("tools/embedded.py", "ops/native.py")}
 SECRET_VARIABLES = {"MOECACHE_API_KEY", "MOECACHE_JOBS_DB"}  # never baked into an image: passed at run time
 
 

@@ -1,12 +1,11 @@
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from engine.gguf.embedded_vocab import build_embedded_vocab, build_vocab
-from engine.synth import PRESETS, with_overrides, write_synth
+from tools.embedded_vocab import build_embedded_vocab
+from tools.synth import PRESETS, with_overrides, write_synth
 
 
 @pytest.fixture(scope="session")
@@ -28,18 +27,3 @@ def small_moe_gguf(tmp_path_factory: pytest.TempPathFactory, vocab: dict) -> Pat
     path = tmp_path_factory.mktemp("models") / "small.gguf"
     write_synth(path, with_overrides(PRESETS["tiny"], num_layers=4, num_experts=16, top_k=4), vocab, seed=11)
     return path
-
-
-@pytest.fixture(scope="session")
-def preset_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """A preset's random-weight model with its family's tokenizer, written once per session."""
-    written: dict[str, Path] = {}
-
-    def path_of(name: str) -> Path:
-        if name not in written:
-            preset = PRESETS[name]
-            written[name] = tmp_path_factory.mktemp("presets") / f"{name}.gguf"
-            write_synth(written[name], preset, build_vocab(preset.vocab), seed=5)
-        return written[name]
-
-    return path_of

@@ -12,8 +12,8 @@ from gguf import GGUFReader
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from engine.gguf.chat import CHATML_TEMPLATE, render_chat_template
-from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.gguf.tokenizer import Tokenizer
+from tools.embedded_vocab import build_embedded_vocab
 
 LLAMA3_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.detok import TextOutput
-from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.gguf.tokenizer import Tokenizer
 from engine.types import Request, SamplingParams
 from tests.engine_runs import greedy_ids
 from tests.spm_vocab import spm_vocab
+from tools.embedded_vocab import build_embedded_vocab
 
 SHARED_VOCABS = ("llama-spm", "qwen2", "gpt-2", "llama-bpe")
 HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,

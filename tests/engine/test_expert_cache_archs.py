@@ -16,8 +16,8 @@ from engine.expert_cache.profile import Profile
 from engine.expert_cache.record import HIT, LANDED, ON_CPU, STAGED
 from engine.gguf.reader import GGUFFile
 from engine.llm_engine import LLMEngine
-from engine.moe import ReferenceExperts
 from engine.weights import ModelWeights, MoE, load_weights
+from tests.engine.reference_experts import ReferenceExperts
 from tests.engine.test_expert_cache import TOLERANCE, make_cache, published_bytes_match, random_step, rel_error, step
 from tests.engine_runs import teacher_forced
 

@@ -59,7 +59,9 @@ def test_fused_forward_equals_the_torch_forward(small_moe_gguf: Path, preset_ggu
         outputs[name] = torch.load(out)
     torch_path, fused = outputs["torch"], outputs["fused"]
     error = (fused - torch_path).norm() / torch_path.norm()
-    assert error < 1e-5, f"relative error {error:.1e}"  # float32: summation order only
+    # float32, summation order only; the native expert kernel's two-plane int8 activations round the
+    # slightly different inputs apart: measured 1.4e-5 on deepseek2-tiny (5e-7 with the reference experts)
+    assert error < 3e-5, f"relative error {error:.1e}"
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.gguf.reader import GGUFError, GGUFFile
-from engine.gguf.writer import TensorSpec, tensor_from_float, write_gguf
 from engine.llm_engine import LLMEngine
 from engine.weights import load_weights
 from ops.quants import QType
+from tools.gguf_writer import TensorSpec, tensor_from_float, write_gguf
 
 
 def write_small(path: Path, split_max_bytes: int = 0) -> list[Path]:

@@ -18,10 +18,10 @@ from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.llm_engine import LLMEngine
 from engine.model import SeqSpan
-from engine.moe import ReferenceExperts
 from engine.types import Request, SamplingParams
 from engine.weights import ModelWeights, load_weights
 from ops.cache_step import PUBLISH
+from tests.engine.reference_experts import ReferenceExperts
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

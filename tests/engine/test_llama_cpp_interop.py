@@ -26,15 +26,15 @@ import torch
 from gguf import GGUFReader
 
 from engine.config import EngineConfig, ModelConfig
-from engine.gguf.corpus import CORPUS
-from engine.gguf.embedded_vocab import build_embedded_vocab, build_vocab
 from engine.llm_engine import LLMEngine
-from engine.synth import PRESETS, with_overrides, write_synth
 from ops.quants import QType
 from service.commands.logits_file import BaseFile, open_base
 from tests.engine_runs import teacher_forced
 from tests.hf_models import tiny_model, write_hf_gguf
 from tests.spm_vocab import spm_vocab
+from tools.corpus import CORPUS
+from tools.embedded_vocab import build_embedded_vocab, build_vocab
+from tools.synth import PRESETS, with_overrides, write_synth
 
 CTX, CHUNKS = 64, 2
 # nats per token against llama.cpp on the F32 dequantization; measured <= 4.2e-4 over the whole vocabulary

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from engine.detok import TextOutput, held_back
 from engine.llm_engine import LLMEngine
+from engine.moe import TopKRouter
 from engine.types import Request, RequestError, RequestOutput, SamplingParams
 
 
@@ -109,6 +113,53 @@ def test_context_overflow_is_a_request_error(engine: LLMEngine) -> None:
     with pytest.raises(RequestError, match="empty"):
         engine.add_request(Request("b", (), SamplingParams()))
     assert not engine.has_unfinished()
+
+
+def test_a_running_id_is_refused_and_no_model_file_is_a_clear_error(engine: LLMEngine) -> None:
+    engine.add_request(Request("a", prompt(engine), SamplingParams(max_tokens=2, ignore_eos=True)))
+    with pytest.raises(RequestError, match="'a' is already running"):
+        engine.add_request(Request("a", prompt(engine), SamplingParams()))
+    run_all(engine)
+    with pytest.raises(ValueError, match="no model file"):
+        LLMEngine(EngineConfig(model=ModelConfig(None, device="cpu")))
+
+
+@dataclass
+class SpyRouter:
+    """The model's router, noting the requests it is told to forget."""
+
+    inner: TopKRouter
+    released: list[Hashable] = field(default_factory=list)
+
+    def __call__(self, moe_index: int, logits: torch.Tensor,
+                 token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner(moe_index, logits, token_mask)
+
+    def begin_step(self, token_keys: Sequence[Hashable]) -> None:
+        pass
+
+    def while_running(self) -> None:
+        pass
+
+    def release(self, request_id: Hashable) -> None:
+        self.released.append(request_id)
+
+
+def test_the_router_forgets_each_ended_request_before_the_next_step(engine: LLMEngine) -> None:
+    hp = engine.weights.hparams
+    engine.step()  # idle: reports the requests of the tests before
+    spy = SpyRouter(TopKRouter(hp.top_k, hp.norm_topk))
+    engine.set_router(spy)
+    try:
+        engine.add_request(Request("a", prompt(engine), SamplingParams(max_tokens=1, ignore_eos=True)))
+        engine.add_request(Request("b", prompt(engine), SamplingParams(max_tokens=9, ignore_eos=True)))
+        engine.step()  # a's prompt gives its only token: a ends
+        assert spy.released == []
+        engine.abort("b")
+        engine.step()
+        assert spy.released == ["a", "b"] and not engine.has_unfinished()
+    finally:
+        engine.set_router(spy.inner)
 
 
 def test_more_requests_than_slots_all_finish(tiny_gguf: Path) -> None:

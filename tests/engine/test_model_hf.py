@@ -10,9 +10,9 @@ import torch
 from engine.gguf.reader import GGUFFile
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model, SeqSpan
-from engine.moe import ReferenceExperts
 from engine.weights import MoE, load_weights
 from ops.quants import QType
+from tests.engine.reference_experts import ReferenceExperts
 from tests.hf_models import round_trip_weights, tiny_model, write_hf_gguf
 
 MODEL_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"]

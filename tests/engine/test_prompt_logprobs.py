@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, ModelConfig, SchedulerConfig
-from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.llm_engine import LLMEngine
 from engine.model import ForwardBatch, SeqSpan
 from engine.types import Request, RequestError, RequestOutput, SamplingParams
 from tests.hf_models import tiny_model, write_hf_gguf
+from tools.embedded_vocab import build_embedded_vocab
 
 VOCAB = build_embedded_vocab()
 PROMPT_LEN = 21

@@ -19,12 +19,12 @@ import torch
 from engine.arch import HParams, get_arch
 from engine.arch.base import GLOBAL_TENSORS, layer_tensor
 from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.gguf.embedded_vocab import build_embedded_vocab
-from engine.gguf.writer import TensorSpec, write_gguf
 from engine.llm_engine import LLMEngine
 from ops.quants import QType, format_of, random_blocks, supported_types
 from tests.engine_runs import teacher_forced
 from tests.gguf_reference import reference_logprobs, reference_model
+from tools.embedded_vocab import build_embedded_vocab
+from tools.gguf_writer import TensorSpec, write_gguf
 
 # gate, up, down of each MoE layer: three layers the native kernel runs (K-quants with a Q8_0 down as
 # llama.cpp's Q4_K_M gives 128-column Mixtral experts, mixed int8 and float activations), three the

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import SchedulerConfig
 from engine.scheduler import Scheduler
-from engine.types import Request
+from engine.types import Request, RequestError, SamplingParams
 
 
 def req(rid: str, n: int) -> Request:
@@ -16,7 +18,7 @@ def run_step(s: Scheduler, next_token: int = 7) -> dict[str, tuple]:
     by_id = {seq.request_id: seq for seq in out.seqs}
     for seq in s.running:
         if seq.request_id in by_id and by_id[seq.request_id].samples:
-            s.append_token(seq, next_token)
+            s.append_token(seq.request_id, next_token)
     return {k: (v.start, len(v.token_ids), v.samples) for k, v in by_id.items()}
 
 
@@ -58,8 +60,8 @@ def test_finish_releases_slot_and_kv_usage() -> None:
     seq = s.add(req("a", 4))
     run_step(s)
     assert s.kv_usage() == 5 / 100
-    s.finish(seq)
-    assert s.free_slots == [0] and s.kv_usage() == 0 and not s.has_work()
+    s.finish(seq.request_id)
+    assert s.free_slots == [0] and s.kv_usage() == 0 and not s.has_unfinished()
 
 
 def test_abort_waiting_request() -> None:
@@ -69,3 +71,28 @@ def test_abort_waiting_request() -> None:
     run_step(s)
     assert s.abort("b") is not None and s.num_waiting == 0
     assert s.abort("zzz") is None
+
+
+def test_the_scheduler_decides_when_a_token_ends_a_sequence() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=8))
+    s.add(Request("stop", (1, 2), SamplingParams(max_tokens=5)), stop_ids=frozenset({9}))
+    s.add(Request("limit", (1, 2), SamplingParams(max_tokens=2)))
+    s.add(Request("context", (1, 2, 3, 4, 5, 6), SamplingParams(max_tokens=5)))
+    s.schedule()
+    assert [s.append_token("stop", t) for t in (3, 9)] == [None, "stop"]
+    assert [s.append_token("limit", t) for t in (3, 4)] == [None, "length"]
+    assert [s.append_token("context", t) for t in (7, 8)] == [None, "length"]  # 8 positions
+    assert s.num_running == 3  # they end when the engine finishes them
+    for rid in ("stop", "limit", "context"):
+        s.finish(rid)
+    assert not s.has_unfinished() and set(s.schedule().finished_ids) == {"stop", "limit", "context"}
+
+
+def test_a_running_id_is_refused() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8))
+    s.add(req("a", 4))
+    with pytest.raises(RequestError, match="'a' is already running"):
+        s.add(req("a", 2))
+    s.finish("a")
+    s.add(req("a", 2))  # an ended id may come back
+    assert s.is_waiting("a") and not s.is_waiting("zzz")

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.gguf.backends import byte_level_decoding
-from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.gguf.pretokenizers import PRE_TOKENIZERS, build_pre_tokenizer, pre_tokenizer_spec
 from engine.gguf.tokenizer import IncrementalDetokenizer, Tokenizer, partition
 from tests.vocab_files import KNOWN_VOCABS, VocabFiles
+from tools.embedded_vocab import build_embedded_vocab
 
 CASE_SEPARATOR = "\n__ggml_vocab_test__\n"
 HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -302,7 +302,7 @@ def test_embedded_vocab_is_the_same_in_a_fresh_process() -> None:
     script = (
         "import hashlib, json, time\n"
         "start = time.perf_counter()\n"
-        "from engine.gguf.embedded_vocab import build_embedded_vocab\n"
+        "from tools.embedded_vocab import build_embedded_vocab\n"
         "metadata = build_embedded_vocab()\n"
         "print(time.perf_counter() - start)\n"
         "print(hashlib.sha256(json.dumps(metadata).encode()).hexdigest())\n"

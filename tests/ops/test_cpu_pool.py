@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from ops.cpu_experts import ExpertWeights, NativeExperts, QType, load_native, random_expert_weights
+from ops.bank import ExpertWeights, random_expert_weights
+from ops.cpu_experts import NativeExperts, QType, load_native
 
 # gate, up, down: every supported type, mixed types, and two activation formats in one layer
 FORMATS = [

@@ -1,5 +1,5 @@
-"""The native task a CUDA graph's host node runs: bit-identical to the kernel on the flagged pairs, counters,
-bad input, and calls from threads no Python knows of."""
+"""The native task a CUDA graph's host node runs: bit-identical to the kernel on the flagged pairs, as close to
+the float reference, counters, bad input, and calls from threads no Python knows of."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from ops import native
-from ops.cpu_experts import ExpertTask, ExpertWeights, NativeExperts, QType, load_native, random_expert_weights
+from ops.bank import ExpertWeights, random_expert_weights
+from ops.cpu_experts import ExpertTask, NativeExperts, QType, load_native
+from ops.expert_ffn import expert_ffn_reference
+from tests.ops.test_cpu_experts import assert_close
 
 FORMATS = [
     (QType.Q4_K, QType.Q4_K, QType.Q4_K),
@@ -56,21 +59,37 @@ class Step:
         ids, on = self.expert_ids[:n].reshape(-1), self.on_cpu[:n].reshape(-1)
         return torch.nonzero((on != 0) & (ids >= 0)).reshape(-1)
 
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """token_ids, expert_ids, weights of the flagged pairs."""
+        p = self.flagged()
+        tokens = torch.div(p, TOP_K, rounding_mode="floor")
+        return tokens, self.expert_ids.reshape(-1)[p].long(), self.weights.reshape(-1)[p]
+
     def expected(self, lib: NativeExperts) -> torch.Tensor:
         """moe_expert_ffn on the flagged pairs of rows < num_tokens."""
-        p, n = self.flagged(), int(self.num_tokens)
-        ids, weights = self.expert_ids.reshape(-1)[p].long(), self.weights.reshape(-1)[p]
-        return lib.ffn(self.x[:n], torch.div(p, TOP_K, rounding_mode="floor"), ids, weights, self.w)
+        return lib.ffn(self.x[: int(self.num_tokens)], *self.pairs(), self.w)
+
+    def reference(self) -> torch.Tensor:
+        """The float reference on the flagged pairs of rows < num_tokens."""
+        return expert_ffn_reference(self.x[: int(self.num_tokens)], *self.pairs(), self.w)
 
 
 @pytest.mark.parametrize("types", FORMATS, ids=lambda t: "-".join(q.name for q in t))
-def test_task_equals_the_kernel_on_the_flagged_pairs(lib: NativeExperts, types: tuple[QType, ...]) -> None:
+def test_task_equals_the_kernel_on_the_flagged_pairs(lib: NativeExperts, types: tuple[QType, QType, QType]) -> None:
     w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=1)
     for seed, num_tokens in ((2, 5), (3, MAX_TOKENS), (4, 1), (5, 0)):
         step = Step(lib, w, seed, num_tokens)
         step.task.run()
         assert torch.equal(step.out[:num_tokens], step.expected(lib))
         assert bool(step.out[num_tokens:].isnan().all())  # rows past num_tokens are not the task's
+
+
+@pytest.mark.parametrize("types", FORMATS, ids=lambda t: "-".join(q.name for q in t))
+def test_task_matches_the_float_reference(lib: NativeExperts, types: tuple[QType, QType, QType]) -> None:
+    step = Step(lib, random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=31), seed=32, num_tokens=MAX_TOKENS)
+    step.task.run()
+    assert len(step.flagged()) > MAX_TOKENS
+    assert_close(step.out, step.reference(), types)
 
 
 def test_a_token_without_cpu_pairs_gets_a_zero_row(lib: NativeExperts) -> None:

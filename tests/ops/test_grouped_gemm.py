@@ -1,5 +1,5 @@
 """The prefill expert FFN (`ops.grouped_gemm`: dequantize to bf16/f32, grouped GEMM) against the torch
-reference `expert_ffn_torch`, on fresh random GGUF blocks every run. On the CPU in float32 (tight);
+reference `expert_ffn_reference`, on fresh random GGUF blocks every run. On the CPU in float32 (tight);
 on CUDA in bf16 with the Triton dequantization (`@pytest.mark.gpu`)."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from ops import quants
-from ops.cpu_experts import ExpertWeights, QType
-from ops.expert_ffn import expert_ffn_torch
-from ops.grouped_gemm import grouped_gemm_available, grouped_gemm_ffn
+from ops.bank import ExpertWeights
+from ops.cpu_experts import QType
+from ops.expert_ffn import expert_ffn_reference
+from ops.grouped_gemm import expert_ffn_grouped_gemm, grouped_gemm_available
 
 pytestmark = pytest.mark.skipif(not grouped_gemm_available(torch.device("cpu")), reason="torch has no _grouped_mm")
 
@@ -35,9 +36,14 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, unused: int,
     return expert_ids, torch.rand(expert_ids.shape, generator=generator)
 
 
+def pairs(expert_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`[tokens, top_k]` routing -> token_ids, bank rows, weights `[pairs]`."""
+    tokens = torch.arange(expert_ids.shape[0], device=expert_ids.device).repeat_interleave(expert_ids.shape[1])
+    return tokens, expert_ids.flatten(), weights.flatten()
+
+
 def reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, bank: ExpertWeights) -> torch.Tensor:
-    tokens = torch.arange(x.shape[0]).repeat_interleave(expert_ids.shape[1])
-    return expert_ffn_torch(x, tokens, expert_ids.flatten(), weights.flatten(), bank)
+    return expert_ffn_reference(x, *pairs(expert_ids, weights), bank)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -54,15 +60,27 @@ def test_matches_reference_on_cpu(types: tuple[QType, QType, QType], chunk_bytes
     bank = random_bank(types, num_experts=6, hidden=256, ff=256, generator=generator)
     expert_ids, weights = random_routing(40, 6, 2, unused=1, generator=generator)
     x = torch.randn(40, 256, generator=generator)
-    out = grouped_gemm_ffn(x, expert_ids, weights, bank, dtype=torch.float32, chunk_bytes=chunk_bytes)
+    out = expert_ffn_grouped_gemm(x, *pairs(expert_ids, weights), bank, dtype=torch.float32, chunk_bytes=chunk_bytes)
     assert relative_error(out, reference(x, expert_ids, weights, bank)) < 1e-5
 
 
 def test_no_selected_expert_gives_zeros() -> None:
     generator = torch.Generator().manual_seed(0)
     bank = random_bank((QType.Q4_K,) * 3, num_experts=2, hidden=256, ff=256, generator=generator)
-    out = grouped_gemm_ffn(torch.randn(3, 256), torch.full((3, 2), -1), torch.ones(3, 2), bank, dtype=torch.float32)
+    out = expert_ffn_grouped_gemm(torch.randn(3, 256), *pairs(torch.full((3, 2), -1), torch.ones(3, 2)), bank,
+                                  dtype=torch.float32)
     assert out.shape == (3, 256) and not out.any()
+
+
+def test_pairs_in_any_order_and_number_per_token() -> None:
+    generator = torch.Generator().manual_seed(2)
+    bank = random_bank((QType.Q4_K,) * 3, num_experts=5, hidden=256, ff=256, generator=generator)
+    token_ids = torch.randint(0, 7, (23,), generator=generator)  # token 0 .. 6, some with no pair
+    rows = torch.randint(-1, 5, (23,), generator=generator)
+    weights = torch.rand(23, generator=generator)
+    x = torch.randn(7, 256, generator=generator)
+    out = expert_ffn_grouped_gemm(x, token_ids, rows, weights, bank, dtype=torch.float32)
+    assert relative_error(out, expert_ffn_reference(x, token_ids, rows, weights, bank)) < 1e-5
 
 
 def test_same_bits_every_run() -> None:
@@ -70,7 +88,8 @@ def test_same_bits_every_run() -> None:
     bank = random_bank((QType.Q4_K,) * 3, num_experts=4, hidden=256, ff=256, generator=generator)
     expert_ids, weights = random_routing(33, 4, 2, unused=0, generator=generator)
     x = torch.randn(33, 256, generator=generator)
-    runs = [grouped_gemm_ffn(x, expert_ids, weights, bank, dtype=torch.float32, chunk_bytes=1) for _ in range(2)]
+    runs = [expert_ffn_grouped_gemm(x, *pairs(expert_ids, weights), bank, dtype=torch.float32, chunk_bytes=1)
+            for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
 
 
@@ -85,7 +104,7 @@ def test_bf16_matches_reference_on_cuda(types: tuple[QType, QType, QType]) -> No
     x = torch.randn(300, 512, generator=generator).bfloat16()
     ref = reference(x, expert_ids, weights, bank)
     cuda_bank = ExpertWeights(bank.gate.to(device), bank.up.to(device), bank.down.to(device), *types, 512, 256)
-    out = grouped_gemm_ffn(x.to(device), expert_ids.to(device), weights.to(device), cuda_bank,
-                           chunk_bytes=3 * 256 * 512 * 2 * 5)  # 5 experts a chunk
+    out = expert_ffn_grouped_gemm(x.to(device), *pairs(expert_ids.to(device), weights.to(device)), cuda_bank,
+                                  chunk_bytes=3 * 256 * 512 * 2 * 5)  # 5 experts a chunk
     # bf16 weights and activations into float32 accumulators: ~3 significant digits per product
     assert relative_error(out, ref) < 2e-2

@@ -1,4 +1,4 @@
-"""The Triton grouped expert FFN (`ops.triton`) against the torch reference `expert_ffn_torch`.
+"""The Triton grouped expert FFN (`ops.triton`) against the torch reference `expert_ffn_reference`.
 
 Fresh random inputs every run: valid random GGUF blocks, routing with experts shared by several
 tokens, a token holding the same expert twice, skipped pairs (-1) and a shuffled pair order. The
@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from ops import quants
-from ops.cpu_experts import ExpertWeights, QType
-from ops.expert_ffn import expert_ffn_torch
+from ops.bank import ExpertWeights
+from ops.cpu_experts import QType
+from ops.expert_ffn import expert_ffn_reference
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
@@ -109,7 +110,7 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     bank = random_bank(case, generator)
     token_ids, expert_ids, weights = random_routing(case, generator)
     x = torch.randn(case.num_tokens, case.hidden, generator=generator).to(case.dtype)
-    ref = expert_ffn_torch(x, token_ids, expert_ids, weights, bank)
+    ref = expert_ffn_reference(x, token_ids, expert_ids, weights, bank)
     device_bank = on_device(bank, device)  # NOTE: tables hold raw addresses; the bank must stay alive
     tables = tables_from_bank(device_bank, device)
     out = torch.full((case.num_tokens, case.hidden), float("nan"), device=device)
@@ -182,7 +183,7 @@ def test_pinned_host_bank_reads_the_same_bits() -> None:
     assert host.gate.device.type == "cpu" and host.gate.is_pinned()
     zero_copy = expert_ffn_triton(x, token_ids, expert_ids, weights, host)
     assert torch.equal(in_vram, zero_copy)
-    ref = expert_ffn_torch(x.cpu(), token_ids.cpu(), expert_ids.cpu(), weights.cpu(), bank)
+    ref = expert_ffn_reference(x.cpu(), token_ids.cpu(), expert_ids.cpu(), weights.cpu(), bank)
     assert relative_error(zero_copy, ref) < RTOL
 
 
@@ -218,7 +219,7 @@ def test_null_pointers_and_bad_ids_are_skipped() -> None:
     expert_ids[:2] = torch.tensor([case.num_experts, -7])  # out of range either way
     kept = torch.where((expert_ids == 3) | (expert_ids >= case.num_experts) | (expert_ids < 0), -1, expert_ids)
     x = torch.randn(case.num_tokens, case.hidden, generator=generator)
-    ref = expert_ffn_torch(x, token_ids, kept, weights, bank)
+    ref = expert_ffn_reference(x, token_ids, kept, weights, bank)
     poison_allocator(CUDA, 64 << 20)
     out = grouped_expert_ffn(x.to(CUDA), token_ids.to(CUDA), expert_ids.to(CUDA), weights.to(CUDA), tables)
     assert out.isfinite().all()
@@ -245,7 +246,7 @@ def test_cuda_graph_replay_follows_new_routing() -> None:
         x.copy_(torch.randn(case.num_tokens, case.hidden, generator=generator))
         out.fill_(float("nan"))
         graph.replay()
-        ref = expert_ffn_torch(x.cpu(), new_tokens, new_experts, new_weights, bank)
+        ref = expert_ffn_reference(x.cpu(), new_tokens, new_experts, new_weights, bank)
         assert relative_error(out, ref) < RTOL
 
 

@@ -19,8 +19,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ops.cpu_experts import ExpertWeights
-from ops.expert_ffn import expert_ffn_torch
+from ops.bank import ExpertWeights
+from ops.expert_ffn import expert_ffn_reference
 from ops.quants import QType
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
@@ -73,7 +73,7 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     extra = torch.randn(case.num_tokens, case.hidden, generator=generator)
     out = grouped_expert_ffn(x.to(device), token_ids.to(device), expert_ids.to(device), weights.to(device), read,
                              fill=fill, extra=extra.pin_memory() if device.type == "cuda" else extra)
-    reference = expert_ffn_torch(x, token_ids, expert_ids, weights, bank) + extra
+    reference = expert_ffn_reference(x, token_ids, expert_ids, weights, bank) + extra
     selected = {e for e in expert_ids.tolist() if e >= 0}
     for part in PARTS:
         rows, slots, ref = getattr(staging, part).cpu(), getattr(pool, part).cpu(), getattr(bank, part)

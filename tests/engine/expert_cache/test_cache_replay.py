@@ -9,7 +9,7 @@ from engine.expert_cache.plan import CachePlan, GroupPlan
 from engine.expert_cache.policy import PolicyConfig
 from engine.expert_cache.profile import Profile
 from engine.expert_cache.replay import profile_from_trace, replay
-from engine.routing import RoutingTrace
+from engine.trace import RoutingTrace
 
 
 def trace_of(

@@ -8,7 +8,7 @@ import torch
 from engine.config import MissMode
 from engine.expert_cache.cpu_tasks import CpuWork
 from engine.expert_cache.split import Split
-from ops.cpu_experts import random_expert_weights
+from ops.bank import random_expert_weights
 from ops.quants import QType
 
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf.embedded_vocab import build_embedded_vocab
-from engine.synth import PRESETS, with_overrides, write_synth
+from tools.embedded_vocab import build_embedded_vocab
+from tools.synth import PRESETS, with_overrides, write_synth
 
 
 @pytest.fixture(scope="session")

@@ -11,12 +11,9 @@ import torch
 
 from engine.arch.base import GLOBAL_TENSORS
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.gguf.reader import GGUFFile
 from engine.llm_engine import LLMEngine
 from engine.moe import TopKRouter
-from engine.routing import ReplayRouter, make_router
-from engine.synth import PRESETS, with_overrides, write_synth
 from engine.weights import load_weights
 from ops.quants import QType
 from service.bench.bound import TokenBytes, decode_bound, dense_bytes, token_bytes
@@ -24,6 +21,9 @@ from service.bench.ceilings import Ceilings, ExpertShape, measure_ceilings, pinn
 from service.bench.results import ConfigResult, Skipped, run_configuration
 from service.bench.runner import DECODE, CacheDelta, Phase, RunSettings, decode_figures, measure
 from service.bench.sweep import MiB, SweepPoint, cache_config, comma_list, fraction, sweep_points
+from tools.embedded_vocab import build_embedded_vocab
+from tools.routing import ReplayRouter, make_router
+from tools.synth import PRESETS, with_overrides, write_synth
 
 GB = 1e9
 Q4_K = QType.Q4_K
@@ -108,7 +108,7 @@ def test_run_settings_reject_runs_without_decode_steps() -> None:
 def test_a_longer_warm_up_decodes_more_tokens_and_fills_a_slowly_promoting_cache(tiny_model: Path) -> None:
     engine = LLMEngine(EngineConfig(ModelConfig(str(tiny_model), "cpu", max_context=64),
                                     CacheConfig(cpu_moe=True, budget_mib=2, policy="decay", promote_per_step=1),
-                                    SchedulerConfig(2, 64, 64), routing="synthetic:qwen3"))
+                                    SchedulerConfig(2, 64, 64)))
     try:
         settings = RunSettings(prompt_len=4, decode_prompt_len=4, gen_len=3, batches=(2,), repeats=1,
                                warmup_gen_len=30)
@@ -133,8 +133,7 @@ def test_a_budget_that_caches_nothing_is_skipped_and_the_sweep_goes_on(tmp_path:
                             expert_ff=1024)
     write_synth(path, preset, build_embedded_vocab())
     engine = LLMEngine(EngineConfig(ModelConfig(str(path), "cpu", max_context=32),
-                                    CacheConfig(cpu_moe=True, budget_mib=0), SchedulerConfig(2, 32, 32),
-                                    routing="synthetic:qwen3"))
+                                    CacheConfig(cpu_moe=True, budget_mib=0), SchedulerConfig(2, 32, 32)))
     settings = RunSettings(prompt_len=8, decode_prompt_len=4, gen_len=2, batches=(1,), repeats=1)
 
     def run(budget_mib: int) -> ConfigResult | Skipped:
@@ -153,8 +152,7 @@ def test_a_budget_that_caches_nothing_is_skipped_and_the_sweep_goes_on(tmp_path:
 
 def test_each_configuration_replays_the_same_routing(tiny_model: Path) -> None:
     engine = LLMEngine(EngineConfig(ModelConfig(str(tiny_model), "cpu", max_context=32),
-                                    CacheConfig(cpu_moe=True, budget_mib=0), SchedulerConfig(2, 32, 32),
-                                    routing="synthetic:qwen3"))
+                                    CacheConfig(cpu_moe=True, budget_mib=0), SchedulerConfig(2, 32, 32)))
     try:
         streams = []
         for _ in range(2):

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.gguf.tokenizer import Tokenizer
 from ops.quants import QType
 from service.cli import main
 from service.commands.logits_file import decode_rows, encode_rows, open_base, row_width
 from tests.hf_models import round_trip_weights, tiny_model, write_hf_gguf
 from tests.spm_vocab import SENTENCES, spm_vocab
+from tools.embedded_vocab import build_embedded_vocab
 
 CTX, CHUNKS = 32, 3
 VOCABS = {"qwen3_moe": build_embedded_vocab(), "mixtral": spm_vocab()}  # byte-level BPE; SPM adding BOS

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf.embedded_vocab import build_embedded_vocab
-from engine.routing import synthetic_trace
-from engine.synth import PRESETS, write_synth
 from service.cli import main
+from tools.embedded_vocab import build_embedded_vocab
+from tools.routing import synthetic_trace
+from tools.synth import PRESETS, write_synth
 
 MiB = 1 << 20
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf.embedded_vocab import build_embedded_vocab
-from engine.synth import PRESETS, write_synth
+from tools.embedded_vocab import build_embedded_vocab
+from tools.synth import PRESETS, write_synth
 
 FUZZ = Path(__file__).resolve().parent
 sys.path.insert(0, str(FUZZ))

@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.gguf.embedded_vocab import build_embedded_vocab
-from engine.synth import PRESETS, write_synth
 from service.grpc_api.stubs import Stubs, load
+from tools.embedded_vocab import build_embedded_vocab
+from tools.synth import PRESETS, write_synth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job_servers import ServerThread, engine_config, grpc_options, grpc_target  # noqa: E402

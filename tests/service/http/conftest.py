@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
-from engine.gguf.embedded_vocab import build_embedded_vocab
-from engine.synth import PRESETS, write_synth
 from service.openai.limits import Limits
 from service.server import ServeOptions
+from tools.embedded_vocab import build_embedded_vocab
+from tools.synth import PRESETS, write_synth
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from http_servers import MODEL, ServerThread, engine_config  # noqa: E402

@@ -15,10 +15,10 @@ import torch
 from http_servers import ServerThread, engine_config
 from openai import AsyncOpenAI
 
-from engine.gguf.embedded_vocab import build_embedded_vocab
 from engine.gguf.tokenizer import Tokenizer
 from service.server import ServeOptions
 from tests.hf_models import tiny_model, write_hf_gguf
+from tools.embedded_vocab import build_embedded_vocab
 
 VOCAB = build_embedded_vocab()
 TOLERANCE = 1e-4

@@ -10,11 +10,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine.gguf.embedded_vocab import build_embedded_vocab
-from engine.synth import PRESETS, write_synth
 from service.grpc_api.stubs import Stubs, load
 from service.openai.limits import Limits
 from service.server import ServeOptions
+from tools.embedded_vocab import build_embedded_vocab
+from tools.synth import PRESETS, write_synth
 
 SERVICE_TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(SERVICE_TESTS))

@@ -1,5 +1,5 @@
 """A small English corpus shipped with the package, for training the embedded default vocabulary."""
 
-from engine.gguf.corpus import conversations, explainers, stories, technical
+from tools.corpus import conversations, explainers, stories, technical
 
 CORPUS: tuple[str, ...] = (stories.TEXT, explainers.TEXT, conversations.TEXT, technical.TEXT)

@@ -1,7 +1,7 @@
 """Tokenizer metadata for random-weight models, trained offline-free from a shipped corpus.
 
 Each recipe is a byte-level BPE of one model family's kind: its pre-tokenizer, its special tokens and its
-chat format, trained by `tokenizers` on `engine.gguf.corpus`. The embedded default model's is Qwen2's
+chat format, trained by `tokenizers` on `tools.corpus`. The embedded default model's is Qwen2's
 pre-tokenizer with ChatML. The result is a GGUF-style metadata mapping, so a model's tokenizer goes
 through the same `Tokenizer.from_metadata` as any GGUF file.
 """
@@ -18,9 +18,9 @@ from tokenizers import pre_tokenizers, trainers
 from tokenizers.models import BPE
 
 from engine.gguf.chat import CHATML_TEMPLATE
-from engine.gguf.corpus import CORPUS
 from engine.gguf.pretokenizers import build_pre_tokenizer, pre_tokenizer_spec
 from engine.gguf.vocab import TokenType
+from tools.corpus import CORPUS
 
 VOCAB_SIZE = 4096
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

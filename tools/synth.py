@@ -13,8 +13,8 @@ import torch
 
 from engine.arch import HParams, get_arch
 from engine.arch.base import GLOBAL_TENSORS, MLA, Routing, YaRN, layer_tensor
-from engine.gguf.writer import TensorSpec, write_gguf
 from ops.quants import QType, format_of, random_blocks
+from tools.gguf_writer import TensorSpec, write_gguf
 
 TOKEN_TYPE_UNUSED = 5
 
@@ -27,7 +27,7 @@ class Preset:
     expert_type: QType = QType.Q4_K  # routed experts
     dense_layers: tuple[int, ...] = ()  # layers with a dense FFN instead of experts (and hparams.num_dense_layers)
     description: str = ""
-    vocab: str = "embedded"  # the tokenizer recipe (`engine.gguf.embedded_vocab.RECIPES`): the family's kind
+    vocab: str = "embedded"  # the tokenizer recipe (`tools.embedded_vocab.RECIPES`): the family's kind
 
     def is_dense(self, layer: int) -> bool:
         return layer in self.dense_layers or layer < self.hparams.num_dense_layers

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the Triton expert kernels on CUDA: `python -m ops.bench_kernels [--json PATH]`.
+"""Micro-benchmark of the Triton expert kernels on CUDA: `python -m tools.bench_kernels [--json PATH]`.
 
 A Qwen3-30B-A3B layer (hidden 2048, ff 768, 128 experts, top-8) with random valid GGUF blocks:
 (a) Q4_K in VRAM at batch 1, 8, 32 against a large device-to-device copy measured in the same run;
@@ -24,8 +24,8 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops import quants
-from ops.cpu_experts import ExpertWeights
-from ops.expert_ffn import expert_ffn_torch
+from ops.bank import ExpertWeights
+from ops.expert_ffn import expert_ffn_reference
 from ops.triton import ExpertTables, LaunchConfig, grouped_expert_ffn, tables_from_bank
 from ops.triton.combine import launch_combine
 from ops.triton.down import launch_down
@@ -184,7 +184,7 @@ def torch_reference(bank: ExpertWeights, batch: int, generator: torch.Generator)
     tables: ExpertTables = tables_from_bank(bank, torch.device("cuda"))
     x = torch.randn(batch, HIDDEN, generator=generator, device="cuda").bfloat16()
     token_ids, expert_ids, weights = routings(batch, generator)[0]
-    ms = median_ms(lambda: expert_ffn_torch(x, token_ids, expert_ids, weights, bank), 5)  # type: ignore[arg-type]
+    ms = median_ms(lambda: expert_ffn_reference(x, token_ids, expert_ids, weights, bank), 5)  # type: ignore[arg-type]
     mb = expert_ids.unique().numel() * tables.expert_bytes / 1e6
     return Result("torch reference, Q4_K VRAM", batch, float("nan"), 1e3 * ms, mb, mb / ms, float("nan"))
 
@@ -246,7 +246,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the full report here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("ops.bench_kernels needs a CUDA device")
+        raise SystemExit("tools.bench_kernels needs a CUDA device")
     report = run()
     if args.json:
         with open(args.json, "w") as f:

@@ -1,15 +1,16 @@
-"""Routing traces: which experts a router selected, token by token, and a calibrated synthetic router.
+"""Benchmark routing: a calibrated synthetic router, trace replay, and the router that replaces the model's.
 
-A trace holds the tokens of one stream in order: `expert_ids [num_tokens, num_layers, top_k]`. Traces
-come from a running engine (`TraceRecorder`) or from `synthetic_trace`, whose model families are
-calibrated to published routing statistics (docs: ANCHORS.md, "Routing locality"):
+A trace (`engine.trace.RoutingTrace`) holds the tokens of one stream in order. Traces come from a running
+engine (`moecache serve --record-trace`) or from `synthetic_trace`, whose model families are calibrated to
+published routing statistics:
 
 - `qwen3` (Qwen3-30B-A3B, 128 experts, top-8): 45% of a token's experts at a layer were used by the
   previous token, 80% within 8 tokens, median reuse distance 2, mild popularity skew, and the cold-LRU
   hit-rate curve 6% -> 37%, 19% -> 74%, 38% -> 89%, 64% -> 96% of the experts cached per layer
   (measured on a 2,000-token stream, cache cold at its start).
 - `mixtral` (Mixtral-8x7B, 8 experts, top-2): 45-50% of tokens share an expert with the previous token
-  at layer 0 (chance: 46%), 62-67% in the middle layers.
+  at layer 0 (chance: 46%), 62-67% in the middle layers (Jiang et al., "Mixtral of Experts", 2024,
+  section 5).
 
 The generator, per stream and layer, draws the token's top-k without replacement (Gumbel top-k) from
 log-weights that add three parts:
@@ -24,163 +25,20 @@ to 1 over the first `ramp_fraction` of the layers: layer 0 routes near randomly,
 from __future__ import annotations
 
 import math
-import os
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.moe import Router, TopKRouter
+from engine.trace import RoutingTrace
 from engine.weights import ModelWeights
 
-TRACE_FORMAT_VERSION = 1
 _LOGISTIC_PROBIT = 1.702  # logistic(1.702 x) approximates the normal CDF: soft rank ~ share above
 _MAX_AGE = 64  # tokens; from here on an expert counts as never used (its bonus is below 1e-3)
-
-PathLike = str | os.PathLike[str]
-
-
-class TraceError(ValueError):
-    """A routing trace file that cannot be used, with the reason."""
-
-
-def _check_ids(expert_ids: np.ndarray, num_experts: int) -> np.ndarray:
-    if expert_ids.ndim != 3:
-        raise ValueError(f"expert_ids must be [num_tokens, num_layers, top_k], got shape {expert_ids.shape}")
-    if not np.issubdtype(expert_ids.dtype, np.integer):
-        raise ValueError(f"expert_ids must be integers, got {expert_ids.dtype}")
-    if not 1 <= num_experts <= np.iinfo(np.int16).max:
-        raise ValueError(f"num_experts must be in [1, 32767], got {num_experts}")
-    if expert_ids.size and (expert_ids.min() < 0 or expert_ids.max() >= num_experts):
-        raise ValueError(f"expert ids must lie in [0, {num_experts})")
-    ordered = np.sort(expert_ids, axis=2)
-    if (ordered[..., 1:] == ordered[..., :-1]).any():
-        raise ValueError("a token selects distinct experts at each layer")
-    ids = np.array(expert_ids, dtype=np.int16)
-    ids.flags.writeable = False
-    return ids
-
-
-@dataclass(frozen=True, eq=False)
-class RoutingTrace:
-    """The experts one stream of tokens selected, in token order."""
-
-    expert_ids: np.ndarray  # [num_tokens, num_layers, top_k] int16
-    num_experts: int
-    source: str
-    # model layer index of each trace layer; empty: 0..num_layers-1 (models with dense layers differ)
-    layers: tuple[int, ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "expert_ids", _check_ids(np.asarray(self.expert_ids), self.num_experts))
-        layers = tuple(self.layers) or tuple(range(self.expert_ids.shape[1]))
-        if len(layers) != self.expert_ids.shape[1] or len(set(layers)) != len(layers):
-            raise ValueError(f"layers {layers} do not name the {self.expert_ids.shape[1]} trace layers")
-        object.__setattr__(self, "layers", layers)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.expert_ids.shape[0])
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.expert_ids.shape[1])
-
-    @property
-    def top_k(self) -> int:
-        return int(self.expert_ids.shape[2])
-
-    def save(self, path: PathLike) -> None:
-        """Write a compressed .npz (exactly at `path`)."""
-        with open(path, "wb") as f:
-            np.savez_compressed(
-                f,
-                format_version=np.int64(TRACE_FORMAT_VERSION),
-                expert_ids=self.expert_ids,
-                num_experts=np.int64(self.num_experts),
-                layers=np.asarray(self.layers, dtype=np.int64),
-                source=np.str_(self.source),
-            )
-
-    @classmethod
-    def load(cls, path: PathLike) -> RoutingTrace:
-        fields = _read_npz(path)
-        version = int(fields["format_version"])
-        if version != TRACE_FORMAT_VERSION:
-            raise TraceError(
-                f"routing trace {path}: format version {version}, expected {TRACE_FORMAT_VERSION}"
-            )
-        try:
-            return cls(
-                expert_ids=fields["expert_ids"],
-                num_experts=int(fields["num_experts"]),
-                source=str(fields["source"]),
-                layers=tuple(int(x) for x in fields["layers"]),
-            )
-        except ValueError as e:
-            raise TraceError(f"routing trace {path}: {e}") from e
-
-
-def _read_npz(path: PathLike) -> dict[str, np.ndarray]:
-    keys = ("format_version", "expert_ids", "num_experts", "layers", "source")
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except FileNotFoundError as e:
-        raise TraceError(f"routing trace {path}: no such file") from e
-    except (OSError, ValueError) as e:
-        raise TraceError(f"routing trace {path}: not a .npz routing trace ({e})") from e
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise TraceError(f"routing trace {path}: not a .npz routing trace (a single array)")
-    with npz:
-        missing = [k for k in keys if k not in npz.files]
-        if missing:
-            raise TraceError(f"routing trace {path}: missing {', '.join(missing)}")
-        try:
-            return {k: npz[k] for k in keys}
-        except Exception as e:  # a damaged archive fails here, with zipfile's or numpy's error
-            raise TraceError(f"routing trace {path}: unreadable ({e})") from e
-
-
-class TraceRecorder:
-    """Accumulates what a running engine routed, step by step, in token order.
-
-    A trace is one stream: record the rows of one sequence (or a single-sequence run). Without
-    `num_experts` the trace assumes the largest id seen + 1.
-    """
-
-    def __init__(
-        self, num_experts: int | None = None, source: str = "recorded", layers: tuple[int, ...] = ()
-    ) -> None:
-        self.num_experts = num_experts
-        self.source = source
-        self.layers = layers
-        self._steps: list[np.ndarray] = []  # each [num_tokens, num_layers, top_k]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.shape[0] for s in self._steps)
-
-    def add_step(self, step_ids: np.ndarray) -> None:
-        """`step_ids [num_layers, num_tokens, top_k]`, the tokens of one step in stream order."""
-        ids = np.asarray(step_ids)
-        if ids.ndim != 3:
-            raise ValueError(f"step ids must be [num_layers, num_tokens, top_k], got shape {ids.shape}")
-        if self._steps and (ids.shape[0], ids.shape[2]) != self._steps[0].shape[1:]:
-            raise ValueError(f"step of shape {ids.shape} does not match the earlier steps")
-        self._steps.append(np.array(ids.transpose(1, 0, 2), dtype=np.int16))
-
-    def trace(self) -> RoutingTrace:
-        if not self._steps:
-            raise ValueError("no steps recorded")
-        ids = np.concatenate(self._steps)
-        num_experts = self.num_experts if self.num_experts is not None else int(ids.max()) + 1
-        return RoutingTrace(ids, num_experts, self.source, self.layers)
-
-    def save(self, path: PathLike) -> None:
-        self.trace().save(path)
 
 
 @dataclass(frozen=True)
@@ -196,7 +54,7 @@ class LocalityModel:
     ramp_fraction: float = 0.125
 
 
-# Fitted by replaying 2,000-token streams (cold LRU per layer) against ANCHORS.md; see the tests.
+# Fitted by replaying 2,000-token streams (cold LRU per layer) against the figures above; see the tests.
 LOCALITY_MODELS: dict[str, LocalityModel] = {
     "qwen3": LocalityModel(1.0, 0.115, 300.0, 2.8, 0.5),
     "mixtral": LocalityModel(0.3, 0.8, 300.0, 0.9, 0.5),
@@ -484,7 +342,8 @@ class ReplayRouter:
 
 
 def make_router(spec: str, weights: ModelWeights, max_tokens: int, device: torch.device, seed: int = 0) -> Router:
-    """The router for `EngineConfig.routing`: the model's own (`model`) or a replacement (`parse_routing`)."""
+    """The router a routing spec names: the model's own (`model`) or a replacement (`parse_routing`), for
+    `LLMEngine.set_router`."""
     hp = weights.hparams
     source = parse_routing(spec, len(weights.moe_layers), hp.num_experts, hp.top_k, seed)
     if source is None:

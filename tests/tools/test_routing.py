@@ -1,4 +1,4 @@
-"""Routing traces, routing sources, and the synthetic router's calibration to published statistics."""
+"""Routing sources, the replay router, and the synthetic router's calibration to published statistics."""
 
 from __future__ import annotations
 
@@ -12,100 +12,20 @@ from engine.expert_cache.plan import CachePlan, GroupPlan
 from engine.expert_cache.policy import PolicyConfig
 from engine.expert_cache.replay import replay
 from engine.moe import TopKRouter
-from engine.routing import (
+from engine.trace import RoutingTrace
+from tools.routing import (
     LOCALITY_MODELS,
     ReplayRouter,
-    RoutingTrace,
     SyntheticSource,
-    TraceError,
-    TraceRecorder,
     TraceSource,
     parse_routing,
     routing_locality,
     synthetic_trace,
 )
 
-# ANCHORS.md, Qwen3-30B-A3B: cold-LRU hit rate by share of experts cached per layer.
+# Qwen3-30B-A3B: cold-LRU hit rate by share of experts cached per layer (tools/routing.py's figures).
 QWEN3_LRU_CURVE = {0.06: 0.37, 0.19: 0.74, 0.38: 0.89, 0.64: 0.96}
 TOLERANCE = 0.05
-
-
-def test_trace_checks_its_ids() -> None:
-    with pytest.raises(ValueError, match="num_tokens, num_layers, top_k"):
-        RoutingTrace(np.zeros((2, 3)), 8, "t")
-    with pytest.raises(ValueError, match=r"\[0, 8\)"):
-        RoutingTrace(np.array([[[1, 8]]]), 8, "t")
-    with pytest.raises(ValueError, match="distinct"):
-        RoutingTrace(np.array([[[3, 3]]]), 8, "t")
-    with pytest.raises(ValueError, match="integers"):
-        RoutingTrace(np.array([[[1.0, 2.0]]]), 8, "t")
-    with pytest.raises(ValueError, match="layers"):
-        RoutingTrace(np.array([[[1, 2]]]), 8, "t", layers=(0, 1))
-
-
-def test_trace_is_int16_and_read_only() -> None:
-    trace = RoutingTrace(np.array([[[1, 2], [3, 4]]]), 8, "t")
-    assert trace.expert_ids.dtype == np.int16 and not trace.expert_ids.flags.writeable
-    assert (trace.num_tokens, trace.num_layers, trace.top_k, trace.layers) == (1, 2, 2, (0, 1))
-
-
-def test_trace_save_load_round_trip(tmp_path: Path) -> None:
-    trace = synthetic_trace("mixtral", 4, 8, 2, 50, seed=3)
-    trace = RoutingTrace(trace.expert_ids, 8, trace.source, layers=(1, 2, 3, 4))
-    path = tmp_path / "trace.npz"
-    trace.save(path)
-    loaded = RoutingTrace.load(path)
-    assert np.array_equal(loaded.expert_ids, trace.expert_ids)
-    assert (loaded.num_experts, loaded.source, loaded.layers) == (8, "synthetic:mixtral seed=3", (1, 2, 3, 4))
-
-
-def test_trace_load_errors_are_clear(tmp_path: Path) -> None:
-    with pytest.raises(TraceError, match="no such file"):
-        RoutingTrace.load(tmp_path / "absent.npz")
-    text = tmp_path / "text.npz"
-    text.write_text("not a trace")
-    with pytest.raises(TraceError, match="not a .npz routing trace"):
-        RoutingTrace.load(text)
-    single = tmp_path / "single.npy"
-    np.save(single, np.zeros(3))
-    with pytest.raises(TraceError, match="a single array"):
-        RoutingTrace.load(single)
-    partial = tmp_path / "partial.npz"
-    with open(partial, "wb") as f:
-        np.savez(f, expert_ids=np.zeros((1, 1, 1), np.int16))
-    with pytest.raises(TraceError, match="missing format_version, num_experts"):
-        RoutingTrace.load(partial)
-
-
-def test_trace_load_rejects_other_versions_and_bad_ids(tmp_path: Path) -> None:
-    for version, message in ((2, "format version 2"), (1, r"\[0, 8\)")):
-        path = tmp_path / f"v{version}.npz"
-        with open(path, "wb") as f:
-            ids = np.array([[[9]]], np.int16)  # expert 9 of 8
-            np.savez(f, format_version=version, expert_ids=ids, num_experts=8, layers=[0], source="x")
-        with pytest.raises(TraceError, match=message):
-            RoutingTrace.load(path)
-
-
-def test_recorder_keeps_token_order(tmp_path: Path) -> None:
-    recorder = TraceRecorder(num_experts=16, source="engine")
-    recorder.add_step(np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]]]))  # [layers=2, tokens=2, top_k=2]
-    recorder.add_step(np.array([[[8, 9]], [[10, 11]]]))
-    assert recorder.num_tokens == 3
-    recorder.save(tmp_path / "rec.npz")
-    trace = RoutingTrace.load(tmp_path / "rec.npz")
-    assert trace.expert_ids.tolist() == [[[0, 1], [4, 5]], [[2, 3], [6, 7]], [[8, 9], [10, 11]]]
-    assert (trace.num_experts, trace.source) == (16, "engine")
-
-
-def test_recorder_rejects_mismatched_steps_and_infers_num_experts() -> None:
-    recorder = TraceRecorder()
-    with pytest.raises(ValueError, match="no steps"):
-        recorder.trace()
-    recorder.add_step(np.array([[[0, 5]]]))
-    with pytest.raises(ValueError, match="does not match"):
-        recorder.add_step(np.array([[[0, 1, 2]]]))
-    assert recorder.trace().num_experts == 6
 
 
 def test_locality_of_a_hand_made_trace() -> None:

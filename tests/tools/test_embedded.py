@@ -1,4 +1,5 @@
-"""The embedded default model: generated on first use, the same bytes every time, and it runs."""
+"""The embedded default model: generated on first use, the same bytes every time, and what a command runs when
+it names no model."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig, ModelConfig
-from engine.embedded import embedded_model_path
 from engine.gguf.reader import GGUFFile
-from engine.llm_engine import LLMEngine
 from engine.types import Request, SamplingParams
+from service.engine_setup import load_engine
+from tools.embedded import embedded_model_path
 
 
 def digest(path: Path) -> str:
@@ -32,7 +33,7 @@ def test_generated_once_and_deterministic(tmp_path: Path, monkeypatch: pytest.Mo
 def test_embedded_model_is_a_qwen3_moe_with_a_real_tokenizer(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path))
-    engine = LLMEngine(EngineConfig(model=ModelConfig(None, device="cpu", max_context=128)))
+    engine = load_engine(EngineConfig(model=ModelConfig(None, device="cpu", max_context=128)))  # no model named
     gguf = GGUFFile(embedded_model_path())
     assert gguf.architecture == "qwen3moe" and gguf.metadata["qwen3moe.expert_count"] == 32
     text = "Hello, world! The expert cache keeps hot experts on the GPU."

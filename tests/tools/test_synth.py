@@ -9,11 +9,11 @@ from gguf import GGUFReader, LlamaFileType
 
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
-from engine.gguf.writer import TensorSpec, file_type
-from engine.synth import PRESETS, with_overrides, write_synth
 from ops.quants import QType
 from tests.engine_runs import greedy_ids
 from tests.spm_vocab import spm_vocab
+from tools.gguf_writer import TensorSpec, file_type
+from tools.synth import PRESETS, with_overrides, write_synth
 
 
 def test_file_type_is_the_type_holding_the_most_bytes() -> None:

@@ -1,0 +1,122 @@
+"""A bank of routed experts as raw GGUF bytes, and the size of one expert.
+
+A bank's first dimension indexes experts (or cache slots): a layer in host memory, a layer resident on
+the device, a pool of cache slots, or a layer staged for a prefill. Every expert-FFN path
+(`ops.expert_ffn`) reads one; `expert_bytes` is the one count of an expert's bytes that the kernels'
+tables, the cache's plans and the benchmarks share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
+
+from ops.quants import QType
+
+
+def row_bytes(qtype: QType, num_cols: int) -> int:
+    """Bytes of a row of `num_cols` weights, for any type ggml knows: a bank may hold a type no path computes
+    (`moecache plan` sizes such a model; `ops.quants.row_bytes` knows the types it can dequantize)."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if num_cols % block_size:
+        raise ValueError(f"{qtype.name}: row of {num_cols} is not a multiple of {block_size}")
+    return num_cols // block_size * type_size
+
+
+def expert_bytes(gate_type: QType, up_type: QType, down_type: QType, hidden: int, ff: int) -> int:
+    """Bytes of one expert: gate and up (`ff` rows of `hidden` weights each) and down (`hidden` rows of `ff`)."""
+    return ff * (row_bytes(gate_type, hidden) + row_bytes(up_type, hidden)) + hidden * row_bytes(down_type, ff)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """A bank of routed experts as raw GGUF bytes (contiguous uint8), first dimension = expert or slot."""
+
+    gate: torch.Tensor  # [num_experts, ff, row_bytes(gate_type, hidden)]
+    up: torch.Tensor  # [num_experts, ff, row_bytes(up_type, hidden)]
+    down: torch.Tensor  # [num_experts, hidden, row_bytes(down_type, ff)]
+    gate_type: QType
+    up_type: QType
+    down_type: QType
+    hidden: int
+    ff: int
+
+    def __post_init__(self) -> None:
+        for name in ("gate_type", "up_type", "down_type"):
+            object.__setattr__(self, name, QType(getattr(self, name)))
+        num_experts = self.gate.shape[0]
+        self._check("gate", self.gate, (num_experts, self.ff, row_bytes(self.gate_type, self.hidden)))
+        self._check("up", self.up, (num_experts, self.ff, row_bytes(self.up_type, self.hidden)))
+        self._check("down", self.down, (num_experts, self.hidden, row_bytes(self.down_type, self.ff)))
+
+    @staticmethod
+    def _check(name: str, t: torch.Tensor, shape: tuple[int, int, int]) -> None:
+        if t.dtype != torch.uint8 or not t.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous uint8 bytes, got {t.dtype} on {t.device}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.shape[0]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (gate + up + down)."""
+        return expert_bytes(self.gate_type, self.up_type, self.down_type, self.hidden, self.ff)
+
+
+# byte offsets of the fp16 scale fields (d, dmin) in one block of each format
+SCALE_FIELDS: dict[QType, tuple[int, ...]] = {
+    QType.Q4_0: (0,),
+    QType.Q4_1: (0, 2),
+    QType.Q5_0: (0,),
+    QType.Q5_1: (0, 2),
+    QType.Q8_0: (0,),
+    QType.Q2_K: (80, 82),
+    QType.Q3_K: (108,),
+    QType.Q4_K: (0, 2),
+    QType.Q5_K: (0, 2),
+    QType.Q6_K: (208,),
+}
+_FLOAT_DTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
+
+
+def random_rows(rng: np.random.Generator, num_rows: tuple[int, int], num_cols: int, qtype: QType) -> torch.Tensor:
+    """Valid random bytes uint8 [*num_rows, row_bytes]: random blocks with small finite fp16 scales."""
+    if qtype in _FLOAT_DTYPES:
+        values = torch.from_numpy(rng.standard_normal((*num_rows, num_cols), dtype=np.float32) * 0.05)
+        return values.to(_FLOAT_DTYPES[qtype]).view(torch.uint8).contiguous()
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (*num_rows, num_cols // block_size, type_size), dtype=np.uint8)
+    for offset in SCALE_FIELDS[qtype]:
+        scales = rng.uniform(1e-4, 1e-3, blocks.shape[:-1]).astype(np.float16)
+        blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:-1], 2)
+    return torch.from_numpy(blocks.reshape(*num_rows, -1))
+
+
+def random_expert_weights(
+    num_experts: int,
+    hidden: int,
+    ff: int,
+    gate_type: QType,
+    up_type: QType | None = None,
+    down_type: QType | None = None,
+    seed: int = 0,
+) -> ExpertWeights:
+    """A bank of valid random experts (tests and benchmarks); the same seed gives the same bytes."""
+    rng = np.random.default_rng(seed)
+    up_type, down_type = up_type or gate_type, down_type or gate_type
+    return ExpertWeights(
+        gate=random_rows(rng, (num_experts, ff), hidden, gate_type),
+        up=random_rows(rng, (num_experts, ff), hidden, up_type),
+        down=random_rows(rng, (num_experts, hidden), ff, down_type),
+        gate_type=gate_type,
+        up_type=up_type,
+        down_type=down_type,
+        hidden=hidden,
+        ff=ff,
+    )
