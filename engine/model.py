@@ -16,7 +16,7 @@ from engine.kv_cache import KVCache
 from engine.layers import swiglu
 from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
 from engine.weights import Attention, DenseFFN, ModelWeights
-from ops.fused import add_rms_norm, decode_attention, qk_norm_rope, rms_norm
+from ops.fused import add_rms_norm, attention, causal_mask, decode_attention, qk_norm_rope, rms_norm
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class Model:
         if isinstance(a, MLAttention):
             q, latent = deepseek2.project_qk(a, self.hp, x, batch.positions, self.inv_freq, self.rope_gain)
             kv.write(i, batch.slot_ids, batch.positions, latent, None)
-            return deepseek2.project_out(a, self.attend(i, q, batch, kv))
+            return deepseek2.project_out(a, self.attend(i, q, batch, kv, None))
         hp, n = self.hp, x.shape[0]
         qkv = F.linear(x, a.qkv, a.qkv_bias)
         style, positions, eps = self.arch.rope_style, batch.positions, hp.rms_eps
@@ -150,25 +150,30 @@ class Model:
             v = a.split(qkv)[2]
         v = v.view(n, hp.num_kv_heads, hp.head_dim)
         kv.write(i, batch.slot_ids, batch.positions, k, v)
-        return F.linear(self.attend(i, q, batch, kv).reshape(n, -1), a.o)
+        return F.linear(self.attend(i, q, batch, kv, a.sinks).reshape(n, -1), a.o, a.o_bias)
 
-    def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """q `[tokens, heads, head_dim]` over the cached keys and values -> `[tokens, heads, value dim]`."""
-        return self.decode_attention(i, q, batch, kv) if batch.is_decode else self.prefill_attention(i, q, batch, kv)
+    def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+        """q `[tokens, heads, head_dim]` over the cached keys and values (the layer's window of them) ->
+        `[tokens, heads, value dim]`."""
+        if batch.is_decode:
+            return self.decode_attention(i, q, batch, kv, sinks)
+        return self.prefill_attention(i, q, batch, kv, sinks)
 
-    def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                         sinks: torch.Tensor | None) -> torch.Tensor:
         keys, values = kv.window(i, batch.kv_length)  # [slots, kv_heads, kv_length, head_dim] views
-        return decode_attention(q, keys, values, batch.slot_ids, batch.positions, self.scale)
+        return decode_attention(q, keys, values, batch.slot_ids, batch.positions, self.scale, self.hp.window(i),
+                                sinks)
 
-    def prefill_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def prefill_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                          sinks: torch.Tensor | None) -> torch.Tensor:
         outs, row = [], 0
         for span in batch.spans:
             keys, values = kv.sequence(i, span.slot, span.end)  # [kv_heads, end, head_dim]
             q_seq = q[row:row + span.num_tokens].transpose(0, 1)  # [heads, tokens, head_dim]
-            query_pos = torch.arange(span.start, span.end, device=q.device)
-            mask = torch.arange(span.end, device=q.device)[None, :] <= query_pos[:, None]
-            out = F.scaled_dot_product_attention(q_seq[None], keys[None], values[None], attn_mask=mask,
-                                                 scale=self.scale, enable_gqa=True)
+            mask = causal_mask(torch.arange(span.start, span.end, device=q.device), span.end, self.hp.window(i))
+            out = attention(q_seq[None], keys[None], values[None], mask, self.scale, sinks)
             outs.append(out[0].transpose(0, 1))
             row += span.num_tokens
         return torch.cat(outs)

@@ -92,7 +92,7 @@ class ExpertExecutor(Protocol):
 
 def moe_forward(moe_index: int, layer: int, x: torch.Tensor, w: MoE, router: Router, experts: ExpertExecutor,
                 token_mask: torch.Tensor | None = None) -> torch.Tensor:
-    logits = F.linear(x, w.router)  # [tokens, experts]
+    logits = F.linear(x, w.router, w.router_bias)  # [tokens, experts]
     # NOTE: padding rows of a captured batch (token_mask False) select no expert (id -1)
     expert_ids, weights = router(moe_index, logits, token_mask)
     out = experts(layer, x, expert_ids, weights)

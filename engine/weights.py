@@ -32,6 +32,8 @@ class Attention:
     qkv_bias: torch.Tensor | None = None  # q, k, v biases stacked (zeros where one has none)
     q_norm: torch.Tensor | None = None  # [head_dim] or [heads * head_dim]
     k_norm: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None  # [hidden]
+    sinks: torch.Tensor | None = None  # float32 [heads]: each head's learned sink logit (gpt-oss)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`[tokens, qkv rows]` -> q, k, v (views)."""
@@ -43,10 +45,11 @@ class Attention:
 @dataclass(frozen=True)
 class MoE:
     router: torch.Tensor  # [experts, hidden]
-    experts: ExpertWeights  # raw GGUF bytes, host memory map
+    experts: ExpertWeights  # raw GGUF bytes, host memory map; their math (biases, activation) beside them
     shared: DenseFFN | None = None  # always added, or scaled by sigmoid(x . shared_gate) where it has one
     shared_gate: torch.Tensor | None = None  # [hidden]
     score_bias: torch.Tensor | None = None  # float32 [experts]: added to the scores for choosing (DeepSeek-V3)
+    router_bias: torch.Tensor | None = None  # [experts]: added to the router logits (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,10 @@ class WeightLoader:
     def has(self, name: str) -> bool:
         return self.gguf.has(name)
 
+    def host(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        info = self.tensor(name, shape)
+        return dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape).clone()
+
     def load(self) -> ModelWeights:
         hp, g = self.hp, GLOBAL_TENSORS
         embed = self.dense(g["embed"], (hp.vocab_size, hp.hidden))
@@ -123,7 +130,8 @@ class WeightLoader:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
         ffn = self.moe(i) if self.gguf.has(t("router")) else self.dense_ffn(i, "gate", "up", "down", hp.dense_ff)
         attn = deepseek2.load_attention(self, i, hp) if hp.mla else self.attention(i)
-        return Layer(self.dense(t("attn_norm"), (hp.hidden,)), attn, self.dense(t("ffn_norm"), (hp.hidden,)), ffn)
+        return Layer(self.dense(t("attn_norm"), (hp.hidden,)), attn, self.dense(t(self.arch.ffn_norm), (hp.hidden,)),
+                     ffn)
 
     def attention(self, i: int) -> Attention:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
@@ -140,6 +148,8 @@ class WeightLoader:
             qkv=torch.cat(weights), o=self.dense(t("o"), (hp.hidden, q_dim)), q_dim=q_dim, qkv_bias=bias,
             q_norm=self.dense(t("q_norm"), (norm_dim,)) if norm_dim else None,
             k_norm=self.dense(t("k_norm"), (k_norm_dim,)) if norm_dim else None,
+            o_bias=self.optional(t("o_bias"), (hp.hidden,)),
+            sinks=self.optional(t("sinks"), (hp.num_heads,), torch.float32),
         )
 
     def dense_ffn(self, i: int, gate: str, up: str, down: str, ff: int) -> DenseFFN:
@@ -156,15 +166,16 @@ class WeightLoader:
             shared = self.dense_ffn(i, "gate_shexp", "up_shexp", "down_shexp", hp.shared_ff)
             shared_gate = self.optional(t("shared_gate_inp"), (hp.hidden,))
         return MoE(self.dense(t("router"), (hp.num_experts, hp.hidden)), self.experts(i), shared, shared_gate,
-                   self.optional(t("score_bias"), (hp.num_experts,), torch.float32))
+                   self.optional(t("score_bias"), (hp.num_experts,), torch.float32),
+                   self.optional(t("router_bias"), (hp.num_experts,)))
 
     def experts(self, i: int) -> ExpertWeights:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
         gate = self.tensor(t("gate_exps"), (hp.num_experts, hp.expert_ff, hp.hidden))
         up = self.tensor(t("up_exps"), (hp.num_experts, hp.expert_ff, hp.hidden))
         down = self.tensor(t("down_exps"), (hp.num_experts, hp.hidden, hp.expert_ff))
-        return ExpertWeights(host_bytes(gate), host_bytes(up), host_bytes(down),
-                             gate.qtype, up.qtype, down.qtype, hp.hidden, hp.expert_ff)
+        return ExpertWeights(host_bytes(gate), host_bytes(up), host_bytes(down), gate.qtype, up.qtype, down.qtype,
+                             hp.hidden, hp.expert_ff, self.arch.expert_math(self, i, hp))
 
 
 def load_weights(gguf: GGUFFile, device: torch.device, dtype: torch.dtype,

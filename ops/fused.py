@@ -118,14 +118,16 @@ def routed_weights(logits: torch.Tensor, expert_ids: torch.Tensor, norm_topk: bo
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                     positions: torch.Tensor, scale: float) -> torch.Tensor:
+                     positions: torch.Tensor, scale: float, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q `[n, heads, head_dim]`; caches `[slots, kv_heads, length, head_dim]` (a view of the first
-    `length` positions): token i attends to positions 0..positions[i] of slot slot_ids[i]. Values may be
-    narrower than keys (a latent cache's view)."""
-    if _fused(q) and _fits_decode_kernel(q, k_cache, v_cache):
+    `length` positions): token i attends to positions 0..positions[i] of slot slot_ids[i], the last `window`
+    of them where window > 0. Values may be narrower than keys (a latent cache's view). sinks: float32
+    `[heads]`, each head's sink logit in the softmax (`attention`)."""
+    if _fused(q) and _fits_decode_kernel(q, k_cache, v_cache) and not window and sinks is None:
         from ops.triton.attention import decode_attention as fused_attention
         return fused_attention(q, k_cache, v_cache, slot_ids, positions, scale)
-    return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale)
+    return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale, window, sinks)
 
 
 def _fits_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -219,9 +221,31 @@ def routed_weights_torch(logits: torch.Tensor, expert_ids: torch.Tensor, norm_to
 
 
 def decode_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                          positions: torch.Tensor, scale: float) -> torch.Tensor:
+                          positions: torch.Tensor, scale: float, window: int = 0,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     keys, values = k_cache[slot_ids], v_cache[slot_ids]  # [n, kv_heads, length, head_dim]
-    mask = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
-    return out[:, :, 0, :]
+    mask = causal_mask(positions, keys.shape[2], window)  # [n, length]
+    return attention(q[:, :, None, :], keys, values, mask[:, None, None, :], scale, sinks)[:, :, 0, :]
+
+
+def causal_mask(query_positions: torch.Tensor, length: int, window: int = 0) -> torch.Tensor:
+    """bool `[queries, length]`: what each query position attends to (the last `window` positions up to its
+    own where window > 0)."""
+    keys = torch.arange(length, device=query_positions.device)[None, :]
+    mask = keys <= query_positions[:, None]
+    return mask & (keys > query_positions[:, None] - window) if window else mask
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q `[b, heads, queries, d]`, keys and values `[b, kv_heads, length, d]`, mask bool broadcast to
+    `[b, heads, queries, length]` -> `[b, heads, queries, value d]`. sinks float32 `[heads]`: a logit per head
+    that joins each softmax and takes its share of the weight, adding nothing (gpt-oss)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1).float(), values.repeat_interleave(group, dim=1).float()
+    scores = (q.float() @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ values).to(q.dtype)

@@ -11,18 +11,21 @@ from typing import Any
 import torch
 
 from engine.arch import get_arch
-from engine.arch.base import MLA, HParams, Routing, YaRN
+from engine.arch.base import LAYER_TENSORS, MLA, HParams, Routing, YaRN, sliding_pattern
 from ops.quants import QType, dequantize, quantize
 from tools.gguf_writer import TensorSpec, tensor_from_float, write_gguf
 
 ARCH_OF_MODEL = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-                 "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+                 "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
 # MLA heads (nope 16 + rope 16, values 24), a q LoRA for V3, experts in 4 groups of 2, one leading dense layer
 MLA_SHAPE = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
                  num_experts_per_tok=2, first_k_dense_replace=1, n_group=4, topk_group=2, intermediate_size=96,
                  moe_intermediate_size=32)
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.707,
         "mscale_all_dim": 0.707, "rope_theta": 10000.0, "beta_fast": 32.0, "beta_slow": 1.0}
+# gpt-oss: YaRN without rounding the correction range, as its checkpoints set it
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -48,6 +51,10 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         "deepseek_v3": lambda: tf.DeepseekV3Config(**{**SHAPE, "num_key_value_heads": 4}, **MLA_SHAPE,
                                                    q_lora_rank=64, n_shared_experts=1, routed_scaling_factor=2.5,
                                                    norm_topk_prob=True, rope_parameters=dict(YARN)),
+        # a window of 8 positions on layers 0 and 2 (40-token prompts slide it), sinks, biases everywhere
+        "gpt_oss": lambda: tf.GptOssConfig(**SHAPE, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+                                           intermediate_size=32, sliding_window=8,
+                                           rope_parameters=dict(GPT_OSS_YARN)),
     }
     config = configs[model_type]()
     config.initializer_range = 0.08  # peaky logits: greedy choices are far from ties
@@ -63,6 +70,9 @@ def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     model = tf.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), torch_dtype=torch.float32)
     for name, p in model.named_parameters():  # norms start at 1.0; perturb them so they matter
         if "norm" in name or "layernorm" in name:
+            p.data.add_(torch.randn_like(p) * 0.1)
+    for name, p in model.named_parameters():  # gpt-oss's expert biases start at 0: make them count
+        if name.endswith("_proj_bias"):
             p.data.add_(torch.randn_like(p) * 0.1)
     for name, b in model.named_buffers():  # DeepSeek-V3's correction bias starts at 0: make it move choices
         if name.endswith("e_score_correction_bias"):
@@ -84,7 +94,18 @@ def hparams_of(model: Any) -> HParams:
         dense_ff=c.intermediate_size, shared_ff=getattr(c, "shared_expert_intermediate_size", 0) or 0,
         norm_topk=bool(getattr(c, "norm_topk_prob", arch.norm_topk)),
     )
+    if arch.name == "gpt-oss":
+        return gpt_oss_hparams(hp, c, rope)
     return deepseek_hparams(hp, c, rope) if arch.name == "deepseek2" else hp
+
+
+def gpt_oss_hparams(hp: HParams, c: Any, rope: dict[str, Any]) -> HParams:
+    """The sliding layers (HF's layer_types) and the YaRN of an HF GptOss config."""
+    sliding = tuple(i for i, kind in enumerate(c.layer_types) if kind == "sliding_attention")
+    assert sliding == sliding_pattern(c.num_hidden_layers, 2), "the tiny config keeps gpt-oss's alternation"
+    yarn = YaRN(rope["factor"], rope["original_max_position_embeddings"], rope["beta_fast"], rope["beta_slow"],
+                truncate=rope.get("truncate", True))
+    return replace(hp, sliding_window=c.sliding_window, sliding_layers=sliding, yarn=yarn)
 
 
 def deepseek_hparams(hp: HParams, c: Any, rope: dict[str, Any]) -> HParams:
@@ -112,16 +133,17 @@ def gguf_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(GGUF name, float tensor) pairs in llama.cpp's layout."""
     c, sd = model.config, model.state_dict()
     is_llama = c.model_type == "mixtral"
+    ffn_norm = LAYER_TENSORS[get_arch(ARCH_OF_MODEL[c.model_type]).ffn_norm]
     yield "token_embd.weight", sd["model.embed_tokens.weight"]
     for i in range(c.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         yield b + "attn_norm.weight", sd[p + "input_layernorm.weight"]
-        yield b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]
+        yield b + ffn_norm, sd[p + "post_attention_layernorm.weight"]
         if c.model_type.startswith("deepseek"):
             yield from _mla_tensors(c, sd, p, b)
         else:
             yield from _attention_tensors(c, sd, p, b, is_llama)
-        yield from _ffn_tensors(sd, p, b)
+        yield from (_gpt_oss_experts(sd, p, b) if c.model_type == "gpt_oss" else _ffn_tensors(sd, p, b))
     yield "output_norm.weight", sd["model.norm.weight"]
     yield "output.weight", sd["lm_head.weight"]
 
@@ -138,6 +160,23 @@ def _attention_tensors(c: Any, sd: dict[str, torch.Tensor], p: str, b: str,
     for norm in ("q_norm", "k_norm"):
         if f"{p}self_attn.{norm}.weight" in sd:
             yield f"{b}attn_{norm}.weight", sd[f"{p}self_attn.{norm}.weight"]
+    if f"{p}self_attn.sinks" in sd:
+        yield f"{b}attn_sinks.weight", sd[f"{p}self_attn.sinks"]
+
+
+def _gpt_oss_experts(sd: dict[str, torch.Tensor], p: str, b: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's router and experts as llama.cpp's converter writes them: gate and up de-interleaved from
+    gate_up_proj (x @ gate_up_proj[e], columns gate, up, gate, up, ...), matrices as [out, in] rows."""
+    m = p + "mlp."
+    yield b + "ffn_gate_inp.weight", sd[m + "router.weight"]
+    yield b + "ffn_gate_inp.bias", sd[m + "router.bias"]
+    gate_up, gate_up_bias = sd[m + "experts.gate_up_proj"].transpose(1, 2), sd[m + "experts.gate_up_proj_bias"]
+    yield b + "ffn_gate_exps.weight", gate_up[:, ::2]
+    yield b + "ffn_up_exps.weight", gate_up[:, 1::2]
+    yield b + "ffn_down_exps.weight", sd[m + "experts.down_proj"].transpose(1, 2)
+    yield b + "ffn_gate_exps.bias", gate_up_bias[:, ::2]
+    yield b + "ffn_up_exps.bias", gate_up_bias[:, 1::2]
+    yield b + "ffn_down_exps.bias", sd[m + "experts.down_proj_bias"]
 
 
 def _mla_tensors(c: Any, sd: dict[str, torch.Tensor], p: str, b: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -174,27 +213,38 @@ def _ffn_tensors(sd: dict[str, torch.Tensor], p: str, b: str) -> Iterator[tuple[
         yield b + "ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"][0]
 
 
-def qtype_for(name: str, qtype: QType) -> QType:
-    """Matrices in `qtype`; norms, biases and routers stay F32 as llama.cpp's quantizer keeps them."""
+def qtype_for(name: str, qtype: QType, expert_qtype: QType | None = None) -> QType:
+    """Matrices in `qtype` (routed experts in `expert_qtype` if given); norms, biases, sinks and routers stay
+    F32 as llama.cpp's quantizer keeps them."""
     small = name.endswith(("norm.weight", ".bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
     small = small or name.endswith(("attn_k_b.weight", "attn_v_b.weight"))  # 16- and 32-column rows: no blocks
-    return QType.F32 if small else qtype
+    small = small or name.endswith("attn_sinks.weight")
+    if small:
+        return QType.F32
+    return expert_qtype if expert_qtype is not None and name.endswith("_exps.weight") else qtype
 
 
-def write_hf_gguf(model: Any, path: Path, qtype: QType = QType.F32, metadata: dict[str, Any] | None = None) -> Path:
+def write_hf_gguf(model: Any, path: Path, qtype: QType = QType.F32, metadata: dict[str, Any] | None = None,
+                  expert_qtype: QType | None = None) -> Path:
     hp = hparams_of(model)
     md = {**get_arch(hp.arch).metadata(hp), **(metadata or {})}
-    specs: list[TensorSpec] = [tensor_from_float(n, t, qtype_for(n, qtype)) for n, t in gguf_tensors(model)]
+    specs: list[TensorSpec] = [tensor_from_float(n, t, qtype_for(n, qtype, expert_qtype))
+                               for n, t in gguf_tensors(model)]
     write_gguf(path, hp.arch, md, specs)
     return path
 
 
-def round_trip_weights(model: Any, qtype: QType) -> None:
-    """Replace the model's weights by their quantize->dequantize round trip (what the GGUF holds)."""
+def round_trip_weights(model: Any, qtype: QType, experts_only: bool = False) -> None:
+    """Replace the model's weights (or only its routed experts') by their quantize->dequantize round trip
+    (what the GGUF holds)."""
     sd = model.state_dict()
     with torch.no_grad():
         for name, tensor in sd.items():
-            is_router = name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
+            is_router = name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "mlp.router.weight"))
             is_kept = is_router or name.endswith("kv_b_proj.weight")  # the GGUF's k_b and v_b stay F32
-            if tensor.dim() >= 2 and "norm" not in name and not is_kept:
-                tensor.copy_(dequantize(quantize(tensor, qtype), qtype, tensor.shape[-1]).reshape(tensor.shape))
+            is_matrix = tensor.dim() >= 2 and not name.endswith("bias") and "norm" not in name and not is_kept
+            if is_matrix and (".experts." in name or not experts_only):
+                # gpt-oss keeps its experts as [in, out]: the GGUF's rows are their columns
+                rows = tensor.transpose(-1, -2) if name.endswith(("gate_up_proj", "experts.down_proj")) \
+                    and model.config.model_type == "gpt_oss" else tensor
+                rows.copy_(dequantize(quantize(rows.contiguous(), qtype), qtype, rows.shape[-1]).reshape(rows.shape))

@@ -9,6 +9,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from ops.expert_math import PLAIN, ExpertMath
+
 EXPERT_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's `expert_gating_func` values
 
 
@@ -81,6 +83,8 @@ class HParams:
     routing: Routing = Routing()
     mla: MLA | None = None
     num_dense_layers: int = 0  # leading layers with a dense FFN (DeepSeek's first_k_dense_replace)
+    sliding_window: int = 0  # positions a sliding-window layer attends to, its own included
+    sliding_layers: tuple[int, ...] = ()  # the layers with a sliding window; the others attend to everything
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -92,10 +96,22 @@ class HParams:
             raise ValueError(f"{self.num_experts} experts in {r.num_groups} groups, {r.topk_groups} used: "
                              "invalid grouping")
 
+    def window(self, layer: int) -> int:
+        """The layer's attention window (0: the whole context)."""
+        return self.sliding_window if layer in self.sliding_layers else 0
+
     @property
     def rope_dim(self) -> int:
         """Rotated dimensions of each q/k head."""
         return self.mla.rope_dim if self.mla else self.head_dim
+
+
+def sliding_pattern(num_layers: int, pattern: int | list[bool]) -> tuple[int, ...]:
+    """The sliding-window layers of GGUF's `attention.sliding_window_pattern`: one flag per layer, or n for
+    every n-th layer full and the others sliding, the first n - 1 sliding (llama.cpp's `set_swa_pattern`)."""
+    if isinstance(pattern, list):
+        return tuple(i for i, is_sliding in enumerate(pattern) if is_sliding)
+    return tuple(i for i in range(num_layers) if pattern == 0 or i % pattern < pattern - 1)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -110,9 +126,11 @@ LAYER_TENSORS = {
     "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
     "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
-    "ffn_norm": "ffn_norm.weight",
-    "router": "ffn_gate_inp.weight", "score_bias": "exp_probs_b.bias",
+    "o_bias": "attn_output.bias", "sinks": "attn_sinks.weight",
+    "ffn_norm": "ffn_norm.weight", "post_attn_norm": "post_attention_norm.weight",
+    "router": "ffn_gate_inp.weight", "router_bias": "ffn_gate_inp.bias", "score_bias": "exp_probs_b.bias",
     "gate_exps": "ffn_gate_exps.weight", "up_exps": "ffn_up_exps.weight", "down_exps": "ffn_down_exps.weight",
+    "gate_exps_bias": "ffn_gate_exps.bias", "up_exps_bias": "ffn_up_exps.bias", "down_exps_bias": "ffn_down_exps.bias",
     "shared_gate_inp": "ffn_gate_inp_shexp.weight",
     "gate_shexp": "ffn_gate_shexp.weight", "up_shexp": "ffn_up_shexp.weight", "down_shexp": "ffn_down_shexp.weight",
     "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
@@ -136,6 +154,10 @@ class TensorSource(Protocol):
 
     def has(self, name: str) -> bool: ...
 
+    def host(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """float32 in host memory (what lives beside the routed experts)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -146,6 +168,8 @@ class ArchSpec:
     attn_bias: bool = False  # q/k/v projections have biases
     shared_expert: bool = False  # a shared expert scaled by sigmoid(x . shared_gate_inp)
     yarn_truncate: bool = True  # how the reference model rounds YaRN's correction range (GGUF has no key)
+    ffn_norm: str = "ffn_norm"  # the role (`LAYER_TENSORS`) of the norm before the FFN
+    swa_pattern: int = 0  # sliding-window layers where GGUF names none (`sliding_pattern`; llama.cpp's default)
     extra_keys: Mapping[str, str] = field(default_factory=dict)
 
     def key(self, suffix: str) -> str:
@@ -183,7 +207,18 @@ class ArchSpec:
             norm_topk=bool(md.get(k("expert_weights_norm"), self.norm_topk)),
             yarn=self.read_yarn(md) if scaling == "yarn" else None,
             routing=self.read_routing(md),
+            **self.read_sliding(md),
         )
+
+    def read_sliding(self, md: Mapping[str, Any]) -> dict[str, Any]:
+        k = self.key
+        window = int(md.get(k("attention.sliding_window"), 0))
+        if not window:
+            return {}
+        pattern = md.get(k("attention.sliding_window_pattern"), self.swa_pattern)
+        return {"sliding_window": window,
+                "sliding_layers": sliding_pattern(int(md[k("block_count")]), pattern if isinstance(pattern, int)
+                                                  else [bool(p) for p in pattern])}
 
     def read_yarn(self, md: Mapping[str, Any]) -> YaRN:
         k = self.key
@@ -205,6 +240,10 @@ class ArchSpec:
 
     def group_score(self, gating: str) -> Literal["max", "top2"]:
         return "top2"
+
+    def expert_math(self, src: TensorSource, layer: int, hp: HParams) -> ExpertMath:
+        """What the layer's routed experts compute between their matrices (biases by expert id)."""
+        return PLAIN
 
     def metadata(self, hp: HParams) -> dict[str, Any]:
         """The inverse of `hparams`: GGUF metadata for writing a model."""
@@ -232,7 +271,16 @@ class ArchSpec:
         if hp.rope_scale != 1.0:
             md[k("rope.scaling.type")] = "linear"
             md[k("rope.scaling.factor")] = hp.rope_scale
-        return {**md, **self.yarn_metadata(hp), **self.routing_metadata(hp)}
+        return {**md, **self.yarn_metadata(hp), **self.routing_metadata(hp), **self.sliding_metadata(hp)}
+
+    def sliding_metadata(self, hp: HParams) -> dict[str, Any]:
+        k = self.key
+        if not hp.sliding_window:
+            return {}
+        md: dict[str, Any] = {k("attention.sliding_window"): hp.sliding_window}
+        if hp.sliding_layers != sliding_pattern(hp.num_layers, self.swa_pattern):
+            md[k("attention.sliding_window_pattern")] = [i in hp.sliding_layers for i in range(hp.num_layers)]
+        return md
 
     def yarn_metadata(self, hp: HParams) -> dict[str, Any]:
         y, k = hp.yarn, self.key

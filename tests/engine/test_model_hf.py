@@ -15,7 +15,7 @@ from ops.quants import QType
 from tests.engine.reference_experts import ReferenceExperts
 from tests.hf_models import round_trip_weights, tiny_model, write_hf_gguf
 
-MODEL_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"]
+MODEL_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
 PROMPT_LEN, PREFILL = 40, 24
 
 
@@ -55,6 +55,21 @@ def test_logits_match_transformers(tmp_path: Path, model_type: str, qtype: QType
     model, kv = load_model(path), None
     kv = new_kv(model)
     # A prefill chunk, then token-by-token decoding through the KV cache.
+    assert rel_error(run(model, kv, ids[:PREFILL], 0), ref[PREFILL - 1]) < 1e-4
+    for pos in range(PREFILL, PROMPT_LEN):
+        assert rel_error(run(model, kv, [ids[pos]], pos), ref[pos]) < 1e-4, f"position {pos}"
+
+
+def test_gpt_oss_mxfp4_experts_match_transformers(tmp_path: Path) -> None:
+    """gpt-oss as released: MXFP4 experts with their biases, everything else in float."""
+    hf = tiny_model("gpt_oss")
+    path = write_hf_gguf(hf, tmp_path / "model.gguf", expert_qtype=QType.MXFP4)
+    round_trip_weights(hf, QType.MXFP4, experts_only=True)
+    ids = torch.randint(0, hf.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = hf_logits(hf, ids)
+    model = load_model(path)
+    assert model.w.layers[0].ffn.experts.gate_type == QType.MXFP4  # type: ignore[union-attr]
+    kv = new_kv(model)
     assert rel_error(run(model, kv, ids[:PREFILL], 0), ref[PREFILL - 1]) < 1e-4
     for pos in range(PREFILL, PROMPT_LEN):
         assert rel_error(run(model, kv, [ids[pos]], pos), ref[pos]) < 1e-4, f"position {pos}"
