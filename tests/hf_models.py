@@ -60,6 +60,9 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     config.initializer_range = 0.08  # peaky logits: greedy choices are far from ties
     for key, value in overrides.items():
         setattr(config, key, value)
+    if model_type == "gpt_oss":  # its layer kinds were drawn for the default layer count
+        config.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(config.num_hidden_layers)]
     return config
 
 
@@ -104,7 +107,7 @@ def gpt_oss_hparams(hp: HParams, c: Any, rope: dict[str, Any]) -> HParams:
     sliding = tuple(i for i, kind in enumerate(c.layer_types) if kind == "sliding_attention")
     assert sliding == sliding_pattern(c.num_hidden_layers, 2), "the tiny config keeps gpt-oss's alternation"
     yarn = YaRN(rope["factor"], rope["original_max_position_embeddings"], rope["beta_fast"], rope["beta_slow"],
-                truncate=rope.get("truncate", True))
+                truncate=rope.get("truncate", True)) if rope.get("rope_type") == "yarn" else None
     return replace(hp, sliding_window=c.sliding_window, sliding_layers=sliding, yarn=yarn)
 
 

@@ -34,6 +34,15 @@ DEEPSEEK3_TEMPLATE = (
     "{% elif message['role'] == 'assistant' %}{{ '" + DS_ASSISTANT + "' + message['content'] + eos_token }}"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '" + DS_ASSISTANT + "' }}{% endif %}"
 )
+# gpt-oss's o200k_harmony control tokens, and harmony's turns as llama.cpp's built-in `gpt-oss` format
+# writes them (src/llama-chat.cpp): a message ends with <|end|>, the assistant's last with <|return|>
+HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                    "<|end|>", "<|message|>", "<|call|>")
+HARMONY_TEMPLATE = (
+    "{% for message in messages %}<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}<|return|>{% else %}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,9 @@ RECIPES: dict[str, VocabRecipe] = {
                             CHATML_TEMPLATE),
     "deepseek-v3": VocabRecipe("deepseek-v3", (DS_BOS, DS_EOS, DS_USER, DS_ASSISTANT), DS_BOS, DS_EOS, None,
                                DS_EOS, True, DEEPSEEK3_TEMPLATE),
+    # GPT-4o's pre-tokenizer (o200k); no BOS added
+    "gpt-oss": VocabRecipe("gpt-4o", HARMONY_SPECIALS, "<|startoftext|>", "<|return|>", None, "<|endoftext|>", False,
+                           HARMONY_TEMPLATE),
 }
 
 

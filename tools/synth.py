@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from engine.arch import HParams, get_arch
-from engine.arch.base import GLOBAL_TENSORS, MLA, Routing, YaRN, layer_tensor
+from engine.arch.base import GLOBAL_TENSORS, MLA, Routing, YaRN, layer_tensor, sliding_pattern, yarn_mscale
 from ops.quants import QType, format_of, random_blocks
 from tools.gguf_writer import TensorSpec, write_gguf
 
@@ -73,6 +73,18 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
                                  yarn=YaRN(4.0, 1024), routing=Routing("sigmoid", 4, 2, "top2", 2.5)),
            description="deepseek2 for tests: q LoRA, DeepSeek-V3 routing (sigmoid, bias, groups), YaRN",
            vocab="deepseek-v3"),
+    Preset("gpt-oss-20b", _hp("gpt-oss", num_layers=24, hidden=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+                              vocab_size=201088, context_length=131072, rms_eps=1e-5, rope_theta=150000.0,
+                              num_experts=32, top_k=4, expert_ff=2880, sliding_window=128,
+                              sliding_layers=sliding_pattern(24, 2),
+                              yarn=YaRN(32.0, 4096, attn_factor=yarn_mscale(32.0), truncate=False)),
+           expert_type=QType.MXFP4, description="gpt-oss-20b shapes, MXFP4 experts (about 13 GB)", vocab="gpt-oss"),
+    Preset("gpt-oss-tiny", _hp("gpt-oss", num_layers=4, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                               vocab_size=0, rms_eps=1e-5, rope_theta=150000.0, num_experts=16, top_k=4,
+                               expert_ff=256, sliding_window=16, sliding_layers=sliding_pattern(4, 2),
+                               yarn=YaRN(4.0, 256, attn_factor=yarn_mscale(4.0), truncate=False)),
+           expert_type=QType.MXFP4, description="gpt-oss for tests: sinks, a 16-position window, MXFP4 experts",
+           vocab="gpt-oss"),
 ]}
 
 
@@ -136,7 +148,7 @@ def _attention_tensors(preset: Preset, rnd: _Random, i: int) -> Iterator[TensorS
         full = arch.qk_norm == "full"
         yield rnd.tensor(t("q_norm"), (q_dim if full else hp.head_dim,), dense, ones=True)
         yield rnd.tensor(t("k_norm"), (kv_dim if full else hp.head_dim,), dense, ones=True)
-    yield rnd.tensor(t("ffn_norm"), (hp.hidden,), dense, ones=True)
+    yield rnd.tensor(t(arch.ffn_norm), (hp.hidden,), dense, ones=True)
 
 
 def _mla_tensors(hp: HParams, m: MLA, rnd: _Random, dense: QType, i: int) -> Iterator[TensorSpec]:
@@ -174,6 +186,8 @@ def _ffn_tensors(preset: Preset, rnd: _Random, i: int) -> Iterator[TensorSpec]:
         yield rnd.tensor(t("down_shexp"), (hp.hidden, hp.shared_ff), dense)
     if get_arch(hp.arch).shared_expert:  # the shared expert's sigmoid gate
         yield rnd.tensor(t("shared_gate_inp"), (hp.hidden,), QType.F32)
+    for role, shape in get_arch(hp.arch).extra_tensors(hp):
+        yield rnd.tensor(t(role), shape, QType.F32)
 
 
 def padded_vocab(vocab: dict[str, Any], size: int) -> dict[str, Any]:

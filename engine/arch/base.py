@@ -241,6 +241,11 @@ class ArchSpec:
     def group_score(self, gating: str) -> Literal["max", "top2"]:
         return "top2"
 
+    def extra_tensors(self, hp: HParams) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(role, shape) of the float tensors an MoE layer of this architecture has beyond the common ones
+        (biases, sinks): what a random-weight model writes."""
+        return ()
+
     def expert_math(self, src: TensorSource, layer: int, hp: HParams) -> ExpertMath:
         """What the layer's routed experts compute between their matrices (biases by expert id)."""
         return PLAIN

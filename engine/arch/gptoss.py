@@ -18,6 +18,11 @@ SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # llama.cpp's constants, HF's config de
 
 @dataclass(frozen=True)
 class GptOssSpec(ArchSpec):
+    def extra_tensors(self, hp: HParams) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        e, ff = hp.num_experts, hp.expert_ff
+        return (("o_bias", (hp.hidden,)), ("sinks", (hp.num_heads,)), ("router_bias", (e,)),
+                ("gate_exps_bias", (e, ff)), ("up_exps_bias", (e, ff)), ("down_exps_bias", (e, hp.hidden)))
+
     def expert_math(self, src: TensorSource, layer: int, hp: HParams) -> ExpertMath:
         e, t = hp.num_experts, lambda role: layer_tensor(layer, role)
         return ExpertMath("swiglu_oai", src.host(t("gate_exps_bias"), (e, hp.expert_ff)),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,10 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "deepseek_v2": ("deepseek_v2", build_vocab("deepseek-v3"), dict(moe_intermediate_size=128,
                                                                     topk_method="greedy")),
     "deepseek_v3": ("deepseek_v3", build_vocab("deepseek-v3"), dict(moe_intermediate_size=128)),
+    # without YaRN: llama.cpp rounds its correction range to whole dimensions, gpt-oss does not
+    "gpt_oss": ("gpt_oss", build_vocab("gpt-oss"), dict(head_dim=64, intermediate_size=128,
+                                                        rope_parameters={"rope_type": "default",
+                                                                         "rope_theta": 150000.0})),
 }
 # Quantized files of these architectures run their experts through the float path: the comparison checks the
 # architecture; the CPU kernel's own rounding is the mixtral and qwen3moe cases' and tests/ops/'s to check
@@ -154,6 +159,9 @@ SYNTH = {  # preset, vocabulary, general.file_type
                            head_dim=64, num_experts=4, expert_ff=256, vocab_size=0, context_length=512), spm_vocab(),
             "Q4_K - Medium"),
     "deepseek2-tiny": (PRESETS["deepseek2-tiny"], build_vocab("deepseek-v3"), "Q4_K - Medium"),
+    # without YaRN: llama.cpp rounds its correction range to whole dimensions, gpt-oss does not
+    "gpt-oss-tiny": (replace(PRESETS["gpt-oss-tiny"], hparams=replace(PRESETS["gpt-oss-tiny"].hparams, yarn=None)),
+                     build_vocab("gpt-oss"), "MXFP4 MoE"),
 }
 
 

@@ -46,3 +46,15 @@ def test_deepseek2_tiny_has_its_family_tokenizer_and_generates(preset_gguf: Call
     assert prompt == "<\uff5cbegin\u2581of\u2581sentence\uff5c><\uff5cUser\uff5c>Hi<\uff5cAssistant\uff5c>"
     _, _, output = greedy_ids(path, "Once upon a time", 8)
     assert len(output) == 8
+
+
+def test_gpt_oss_tiny_has_its_family_tokenizer_and_generates(preset_gguf: Callable[[str], Path]) -> None:
+    path = preset_gguf("gpt-oss-tiny")
+    metadata = GGUFFile(path).metadata
+    assert metadata["tokenizer.ggml.pre"] == "gpt-4o" and metadata["gpt-oss.attention.sliding_window"] == 16
+    tokenizer = Tokenizer.from_metadata(metadata)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    assert tokenizer.decode(prompt) == "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+    assert tokenizer.spec.tokens[tokenizer.spec.eos_id] == "<|return|>"
+    _, _, output = greedy_ids(path, "Once upon a time", 8)
+    assert len(output) == 8
