@@ -87,8 +87,7 @@ class LLMEngine:
         max_len = min(config.model.max_context, hp.context_length)
         sched = replace(config.scheduler, max_model_len=max_len)
         # one slot per sequence, plus a scratch slot for the padding rows of captured batches
-        self.kv = KVCache(hp.num_layers, sched.max_num_seqs + 1, max_len, hp.num_kv_heads, hp.head_dim, dtype,
-                          self.device)
+        self.kv = KVCache.for_model(hp, sched.max_num_seqs + 1, max_len, dtype, self.device)
         self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages)
         self.scheduler = Scheduler(sched)
         self.cache: ExpertCache = self._build_cache(config.cache)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
+from engine.arch import deepseek2
+from engine.arch.base import YaRN
+from engine.arch.deepseek2 import MLAttention
 from engine.kv_cache import KVCache
 from engine.layers import swiglu
 from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
 from engine.weights import Attention, DenseFFN, ModelWeights
-from ops.fused import add_rms_norm, decode_attention, qk_norm_rope, rms_norm
+from ops.fused import add_rms_norm, attention, causal_mask, decode_attention, qk_norm_rope, rms_norm
 
 
 @dataclass(frozen=True)
@@ -61,19 +65,34 @@ class ForwardBatch:
         return all(s.num_tokens == 1 for s in self.spans)
 
 
-def rope_frequencies(head_dim: int, theta: float, scale: float, device: torch.device) -> torch.Tensor:
-    """Rotary inverse frequencies `[head_dim / 2]` (float32), linear position scaling folded in."""
+def rope_frequencies(head_dim: int, theta: float, scale: float, device: torch.device,
+                     yarn: YaRN | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies `[head_dim / 2]` (float32), linear position scaling or YaRN folded in."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta ** exponents) / scale
+    inv_freq = 1.0 / (theta ** exponents)
+    if yarn is None:
+        return inv_freq / scale
+    # YaRN: the low frequencies interpolated (divided by the factor), the high ones kept, a linear ramp
+    # between the dimensions that turn beta_slow and beta_fast times over the original context
+    low, high = (head_dim * math.log(yarn.orig_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+                 for turns in (yarn.beta_fast, yarn.beta_slow))
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device=device)
+    kept = 1 - ((dims - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / yarn.factor * (1 - kept) + inv_freq * kept
 
 
 class Model:
     def __init__(self, weights: ModelWeights, experts: ExpertExecutor, router: Router | None = None) -> None:
         self.w, self.hp, self.arch, self.experts = weights, weights.hparams, weights.arch, experts
-        self.router: Router = router or TopKRouter(self.hp.top_k, self.hp.norm_topk)
+        self.router: Router = router or TopKRouter.of(weights)
         hp = self.hp
-        self.inv_freq = rope_frequencies(hp.head_dim, hp.rope_theta, hp.rope_scale, weights.embed.device)
-        self.scale = hp.head_dim ** -0.5
+        self.inv_freq = rope_frequencies(hp.rope_dim, hp.rope_theta, hp.rope_scale, weights.embed.device, hp.yarn)
+        # YaRN's cos/sin magnitude on both q and k: squared into the scores' rotary part
+        self.rope_gain = hp.yarn.attn_factor ** 2 if hp.yarn is not None else 1.0
+        self.scale = deepseek2.softmax_scale(hp) if hp.mla else hp.head_dim ** -0.5 * self.rope_gain
 
     @property
     def device(self) -> torch.device:
@@ -106,7 +125,12 @@ class Model:
         x = rms_norm(x[batch.logit_rows], self.w.norm, eps)
         return F.linear(x, self.w.output).float()
 
-    def attention(self, i: int, a: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def attention(self, i: int, a: Attention | MLAttention, x: torch.Tensor, batch: ForwardBatch,
+                  kv: KVCache) -> torch.Tensor:
+        if isinstance(a, MLAttention):
+            q, latent = deepseek2.project_qk(a, self.hp, x, batch.positions, self.inv_freq, self.rope_gain)
+            kv.write(i, batch.slot_ids, batch.positions, latent, None)
+            return deepseek2.project_out(a, self.attend(i, q, batch, kv, None))
         hp, n = self.hp, x.shape[0]
         qkv = F.linear(x, a.qkv, a.qkv_bias)
         style, positions, eps = self.arch.rope_style, batch.positions, hp.rms_eps
@@ -126,23 +150,30 @@ class Model:
             v = a.split(qkv)[2]
         v = v.view(n, hp.num_kv_heads, hp.head_dim)
         kv.write(i, batch.slot_ids, batch.positions, k, v)
-        attend = self.decode_attention if batch.is_decode else self.prefill_attention
-        out = attend(i, q, batch, kv)  # [tokens, heads, head_dim]
-        return F.linear(out.reshape(n, -1), a.o)
+        return F.linear(self.attend(i, q, batch, kv, a.sinks).reshape(n, -1), a.o, a.o_bias)
 
-    def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+        """q `[tokens, heads, head_dim]` over the cached keys and values (the layer's window of them) ->
+        `[tokens, heads, value dim]`."""
+        if batch.is_decode:
+            return self.decode_attention(i, q, batch, kv, sinks)
+        return self.prefill_attention(i, q, batch, kv, sinks)
+
+    def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                         sinks: torch.Tensor | None) -> torch.Tensor:
         keys, values = kv.window(i, batch.kv_length)  # [slots, kv_heads, kv_length, head_dim] views
-        return decode_attention(q, keys, values, batch.slot_ids, batch.positions, self.scale)
+        return decode_attention(q, keys, values, batch.slot_ids, batch.positions, self.scale, self.hp.window(i),
+                                sinks)
 
-    def prefill_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def prefill_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                          sinks: torch.Tensor | None) -> torch.Tensor:
         outs, row = [], 0
         for span in batch.spans:
             keys, values = kv.sequence(i, span.slot, span.end)  # [kv_heads, end, head_dim]
             q_seq = q[row:row + span.num_tokens].transpose(0, 1)  # [heads, tokens, head_dim]
-            query_pos = torch.arange(span.start, span.end, device=q.device)
-            mask = torch.arange(span.end, device=q.device)[None, :] <= query_pos[:, None]
-            out = F.scaled_dot_product_attention(q_seq[None], keys[None], values[None], attn_mask=mask,
-                                                 scale=self.scale, enable_gqa=True)
+            mask = causal_mask(torch.arange(span.start, span.end, device=q.device), span.end, self.hp.window(i))
+            out = attention(q_seq[None], keys[None], values[None], mask, self.scale, sinks)
             outs.append(out[0].transpose(0, 1))
             row += span.num_tokens
         return torch.cat(outs)

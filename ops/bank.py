@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
+from ops.expert_math import PLAIN, ExpertMath
 from ops.quants import QType
 
 
@@ -43,6 +44,7 @@ class ExpertWeights:
     down_type: QType
     hidden: int
     ff: int
+    math: ExpertMath = PLAIN  # biases (indexed by the bank's rows) and activation: ops/expert_math.py
 
     def __post_init__(self) -> None:
         for name in ("gate_type", "up_type", "down_type"):

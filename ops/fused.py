@@ -79,6 +79,35 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool,
     return route_topk_torch(logits, top_k, norm_topk, token_mask)
 
 
+def route_topk_scored(logits: torch.Tensor, top_k: int, norm_topk: bool, token_mask: torch.Tensor | None = None, *,
+                      sigmoid: bool = False, score_bias: torch.Tensor | None = None, num_groups: int = 1,
+                      topk_groups: int = 1, group_by_max: bool = False,
+                      scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_topk` for routers beyond softmax top-k (DeepSeek-V2/V3): scores by softmax or sigmoid over all
+    experts; the choice made on scores + score_bias (float32 `[experts]`) among the experts of the best
+    `topk_groups` of `num_groups` equal groups (a group scored by its best expert, or by its best two
+    summed); the weights are the unbiased scores of the choice, optionally renormalised, times scale.
+    Torch on every device (no host sync: a captured step can hold it)."""
+    scores = _scores(logits, sigmoid)
+    choice = scores if score_bias is None else scores + score_bias
+    if num_groups > 1:
+        choice = _best_groups(choice, num_groups, topk_groups, group_by_max)
+    expert_ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = _normalize(scores.gather(-1, expert_ids), norm_topk)
+    return _mask_ids(expert_ids, token_mask), weights if scale == 1.0 else weights * scale
+
+
+def routed_weights_scored(logits: torch.Tensor, expert_ids: torch.Tensor, norm_topk: bool,
+                          token_mask: torch.Tensor | None = None, *, sigmoid: bool = False,
+                          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`routed_weights` for the routers of `route_topk_scored`: the weights they give the given ids."""
+    expert_ids = expert_ids.to(logits.device, torch.int64)
+    valid = (expert_ids >= 0) & (expert_ids < logits.shape[-1])
+    scores = torch.where(valid, _scores(logits, sigmoid).gather(-1, expert_ids.clamp(0, logits.shape[-1] - 1)), 0.0)
+    weights = _normalize(scores, norm_topk)
+    return _mask_ids(torch.where(valid, expert_ids, -1), token_mask), weights if scale == 1.0 else weights * scale
+
+
 def routed_weights(logits: torch.Tensor, expert_ids: torch.Tensor, norm_topk: bool,
                    token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same for given expert ids (a routing trace replacing the router's choice)."""
@@ -89,13 +118,23 @@ def routed_weights(logits: torch.Tensor, expert_ids: torch.Tensor, norm_topk: bo
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                     positions: torch.Tensor, scale: float) -> torch.Tensor:
+                     positions: torch.Tensor, scale: float, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q `[n, heads, head_dim]`; caches `[slots, kv_heads, length, head_dim]` (a view of the first
-    `length` positions): token i attends to positions 0..positions[i] of slot slot_ids[i]."""
-    if _fused(q):
+    `length` positions): token i attends to positions 0..positions[i] of slot slot_ids[i], the last `window`
+    of them where window > 0. Values may be narrower than keys (a latent cache's view). sinks: float32
+    `[heads]`, each head's sink logit in the softmax (`attention`)."""
+    if _fused(q) and _fits_decode_kernel(q, k_cache, v_cache) and not window and sinks is None:
         from ops.triton.attention import decode_attention as fused_attention
         return fused_attention(q, k_cache, v_cache, slot_ids, positions, scale)
-    return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale)
+    return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale, window, sinks)
+
+
+def _fits_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The Triton kernel's shapes: one head size for q, k and v, a power of two in [16, 256]."""
+    head_dim = q.shape[-1]
+    return (k_cache.shape == v_cache.shape and k_cache.shape[-1] == head_dim and 16 <= head_dim <= 256
+            and head_dim & (head_dim - 1) == 0)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
@@ -151,6 +190,22 @@ def _normalize(weights: torch.Tensor, norm_topk: bool) -> torch.Tensor:
     return weights / weights.sum(dim=-1, keepdim=True) if norm_topk else weights
 
 
+def _scores(logits: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+    return torch.sigmoid(logits.float()) if sigmoid else torch.softmax(logits.float(), dim=-1)
+
+
+def _best_groups(choice: torch.Tensor, num_groups: int, topk_groups: int, group_by_max: bool) -> torch.Tensor:
+    """choice `[tokens, experts]` with the experts outside each token's best groups set to -inf."""
+    grouped = choice.view(choice.shape[0], num_groups, -1)  # [tokens, groups, experts per group]
+    if group_by_max:
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    best = torch.topk(group_scores, topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [tokens, groups]
+    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view_as(choice)
+
+
 def route_topk_torch(logits: torch.Tensor, top_k: int, norm_topk: bool,
                      token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(logits.float(), dim=-1)
@@ -166,9 +221,31 @@ def routed_weights_torch(logits: torch.Tensor, expert_ids: torch.Tensor, norm_to
 
 
 def decode_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                          positions: torch.Tensor, scale: float) -> torch.Tensor:
+                          positions: torch.Tensor, scale: float, window: int = 0,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     keys, values = k_cache[slot_ids], v_cache[slot_ids]  # [n, kv_heads, length, head_dim]
-    mask = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
-    return out[:, :, 0, :]
+    mask = causal_mask(positions, keys.shape[2], window)  # [n, length]
+    return attention(q[:, :, None, :], keys, values, mask[:, None, None, :], scale, sinks)[:, :, 0, :]
+
+
+def causal_mask(query_positions: torch.Tensor, length: int, window: int = 0) -> torch.Tensor:
+    """bool `[queries, length]`: what each query position attends to (the last `window` positions up to its
+    own where window > 0)."""
+    keys = torch.arange(length, device=query_positions.device)[None, :]
+    mask = keys <= query_positions[:, None]
+    return mask & (keys > query_positions[:, None] - window) if window else mask
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q `[b, heads, queries, d]`, keys and values `[b, kv_heads, length, d]`, mask bool broadcast to
+    `[b, heads, queries, length]` -> `[b, heads, queries, value d]`. sinks float32 `[heads]`: a logit per head
+    that joins each softmax and takes its share of the weight, adding nothing (gpt-oss)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1).float(), values.repeat_interleave(group, dim=1).float()
+    scores = (q.float() @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ values).to(q.dtype)

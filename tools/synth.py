@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from engine.arch import HParams, get_arch
-from engine.arch.base import GLOBAL_TENSORS, layer_tensor
+from engine.arch.base import GLOBAL_TENSORS, MLA, Routing, YaRN, layer_tensor, sliding_pattern, yarn_mscale
 from ops.quants import QType, format_of, random_blocks
 from tools.gguf_writer import TensorSpec, write_gguf
 
@@ -25,8 +25,12 @@ class Preset:
     hparams: HParams
     dense_type: QType = QType.Q8_0  # attention, embeddings, output, dense and shared FFNs
     expert_type: QType = QType.Q4_K  # routed experts
-    dense_layers: tuple[int, ...] = ()  # layers with a dense FFN instead of experts
+    dense_layers: tuple[int, ...] = ()  # layers with a dense FFN instead of experts (and hparams.num_dense_layers)
     description: str = ""
+    vocab: str = "embedded"  # the tokenizer recipe (`tools.embedded_vocab.RECIPES`): the family's kind
+
+    def is_dense(self, layer: int) -> bool:
+        return layer in self.dense_layers or layer < self.hparams.num_dense_layers
 
 
 def _hp(arch: str, **kw: Any) -> HParams:
@@ -57,6 +61,30 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("olmoe-1b-7b", _hp("olmoe", num_layers=16, hidden=2048, num_heads=16, num_kv_heads=16, head_dim=128,
                               vocab_size=50304, num_experts=64, top_k=8, expert_ff=1024, rms_eps=1e-5,
                               rope_theta=1e4), description="OLMoE-1B-7B shapes"),
+    Preset("deepseek-v2-lite", _hp("deepseek2", num_layers=27, hidden=2048, num_heads=16, num_kv_heads=1,
+                                   head_dim=192, vocab_size=102400, context_length=163840, rope_theta=1e4,
+                                   num_experts=64, top_k=6, expert_ff=1408, dense_ff=10944, shared_ff=2816,
+                                   num_dense_layers=1, mla=MLA(0, 512, 128, 64, 128, mscale_all_dim=0.707),
+                                   yarn=YaRN(40.0, 4096)),
+           description="DeepSeek-V2-Lite shapes (MLA, 2 shared experts, a leading dense layer)", vocab="deepseek-v3"),
+    Preset("deepseek2-tiny", _hp("deepseek2", num_layers=4, hidden=256, num_heads=4, num_kv_heads=1, head_dim=64,
+                                 vocab_size=0, num_experts=16, top_k=4, expert_ff=256, dense_ff=512, shared_ff=256,
+                                 num_dense_layers=1, norm_topk=True, mla=MLA(128, 128, 32, 32, 64, 1.0),
+                                 yarn=YaRN(4.0, 1024), routing=Routing("sigmoid", 4, 2, "top2", 2.5)),
+           description="deepseek2 for tests: q LoRA, DeepSeek-V3 routing (sigmoid, bias, groups), YaRN",
+           vocab="deepseek-v3"),
+    Preset("gpt-oss-20b", _hp("gpt-oss", num_layers=24, hidden=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+                              vocab_size=201088, context_length=131072, rms_eps=1e-5, rope_theta=150000.0,
+                              num_experts=32, top_k=4, expert_ff=2880, sliding_window=128,
+                              sliding_layers=sliding_pattern(24, 2),
+                              yarn=YaRN(32.0, 4096, attn_factor=yarn_mscale(32.0), truncate=False)),
+           expert_type=QType.MXFP4, description="gpt-oss-20b shapes, MXFP4 experts (about 13 GB)", vocab="gpt-oss"),
+    Preset("gpt-oss-tiny", _hp("gpt-oss", num_layers=4, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                               vocab_size=0, rms_eps=1e-5, rope_theta=150000.0, num_experts=16, top_k=4,
+                               expert_ff=256, sliding_window=16, sliding_layers=sliding_pattern(4, 2),
+                               yarn=YaRN(4.0, 256, attn_factor=yarn_mscale(4.0), truncate=False)),
+           expert_type=QType.MXFP4, description="gpt-oss for tests: sinks, a 16-position window, MXFP4 experts",
+           vocab="gpt-oss"),
 ]}
 
 
@@ -105,6 +133,10 @@ def _attention_tensors(preset: Preset, rnd: _Random, i: int) -> Iterator[TensorS
     hp, arch, dense, t = preset.hparams, get_arch(preset.hparams.arch), preset.dense_type, partial(layer_tensor, i)
     q_dim, kv_dim = hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
     yield rnd.tensor(t("attn_norm"), (hp.hidden,), dense, ones=True)
+    if hp.mla is not None:
+        yield from _mla_tensors(hp, hp.mla, rnd, dense, i)
+        yield rnd.tensor(t("ffn_norm"), (hp.hidden,), dense, ones=True)
+        return
     yield rnd.tensor(t("q"), (q_dim, hp.hidden), dense)
     yield rnd.tensor(t("k"), (kv_dim, hp.hidden), dense)
     yield rnd.tensor(t("v"), (kv_dim, hp.hidden), dense)
@@ -116,26 +148,46 @@ def _attention_tensors(preset: Preset, rnd: _Random, i: int) -> Iterator[TensorS
         full = arch.qk_norm == "full"
         yield rnd.tensor(t("q_norm"), (q_dim if full else hp.head_dim,), dense, ones=True)
         yield rnd.tensor(t("k_norm"), (kv_dim if full else hp.head_dim,), dense, ones=True)
-    yield rnd.tensor(t("ffn_norm"), (hp.hidden,), dense, ones=True)
+    yield rnd.tensor(t(arch.ffn_norm), (hp.hidden,), dense, ones=True)
+
+
+def _mla_tensors(hp: HParams, m: MLA, rnd: _Random, dense: QType, i: int) -> Iterator[TensorSpec]:
+    t, q_dim = partial(layer_tensor, i), hp.num_heads * (m.nope_dim + m.rope_dim)
+    if m.q_lora_rank:
+        yield rnd.tensor(t("q_a"), (m.q_lora_rank, hp.hidden), dense)
+        yield rnd.tensor(t("q_a_norm"), (m.q_lora_rank,), dense, ones=True)
+        yield rnd.tensor(t("q_b"), (q_dim, m.q_lora_rank), dense)
+    else:
+        yield rnd.tensor(t("q"), (q_dim, hp.hidden), dense)
+    yield rnd.tensor(t("kv_a"), (m.latent_dim, hp.hidden), dense)
+    yield rnd.tensor(t("kv_a_norm"), (m.kv_lora_rank,), dense, ones=True)
+    yield rnd.tensor(t("k_b"), (hp.num_heads, m.kv_lora_rank, m.nope_dim), dense)
+    yield rnd.tensor(t("v_b"), (hp.num_heads, m.v_dim, m.kv_lora_rank), dense)
+    yield rnd.tensor(t("o"), (hp.hidden, hp.num_heads * m.v_dim), dense)
 
 
 def _ffn_tensors(preset: Preset, rnd: _Random, i: int) -> Iterator[TensorSpec]:
     hp, dense, t = preset.hparams, preset.dense_type, partial(layer_tensor, i)
-    if i in preset.dense_layers:
+    if preset.is_dense(i):
         yield rnd.tensor(t("gate"), (hp.dense_ff, hp.hidden), dense)
         yield rnd.tensor(t("up"), (hp.dense_ff, hp.hidden), dense)
         yield rnd.tensor(t("down"), (hp.hidden, hp.dense_ff), dense)
         return
     e, ff = hp.num_experts, hp.expert_ff
     yield rnd.tensor(t("router"), (e, hp.hidden), QType.F32)
+    if hp.routing.gating == "sigmoid":
+        yield rnd.tensor(t("score_bias"), (e,), QType.F32)
     yield rnd.tensor(t("gate_exps"), (e, ff, hp.hidden), preset.expert_type)
     yield rnd.tensor(t("up_exps"), (e, ff, hp.hidden), preset.expert_type)
     yield rnd.tensor(t("down_exps"), (e, hp.hidden, ff), preset.expert_type)
-    if get_arch(hp.arch).shared_expert:
+    if hp.shared_ff:
         yield rnd.tensor(t("gate_shexp"), (hp.shared_ff, hp.hidden), dense)
         yield rnd.tensor(t("up_shexp"), (hp.shared_ff, hp.hidden), dense)
         yield rnd.tensor(t("down_shexp"), (hp.hidden, hp.shared_ff), dense)
+    if get_arch(hp.arch).shared_expert:  # the shared expert's sigmoid gate
         yield rnd.tensor(t("shared_gate_inp"), (hp.hidden,), QType.F32)
+    for role, shape in get_arch(hp.arch).extra_tensors(hp):
+        yield rnd.tensor(t(role), shape, QType.F32)
 
 
 def padded_vocab(vocab: dict[str, Any], size: int) -> dict[str, Any]:

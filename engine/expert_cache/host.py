@@ -8,6 +8,7 @@ each tensor is copied, so RAM never holds an expert twice. With a CPU device the
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -28,7 +29,7 @@ def pin_experts(layers: dict[int, ExpertWeights], release: Callable[[int, int], 
     pinned = {}
     for layer, w in layers.items():
         gate, up, down = (pinned_copy(t) for t in (w.gate, w.up, w.down))
-        pinned[layer] = ExpertWeights(gate, up, down, w.gate_type, w.up_type, w.down_type, w.hidden, w.ff)
+        pinned[layer] = replace(w, gate=gate, up=up, down=down)
         if progress:
             progress(sum(t.numel() for t in (gate, up, down)))
     return pinned

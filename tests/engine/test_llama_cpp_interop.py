@@ -1,6 +1,7 @@
 """Interop with llama.cpp itself, through its CPU tools (skipped where they are absent): tiny Mixtral
-(llama with experts, SentencePiece vocabulary) and Qwen3-MoE (byte-level BPE) files written by our
-writer, quantized by `llama-quantize` as users get them, loaded by both.
+(llama with experts, SentencePiece vocabulary), Qwen3-MoE (byte-level BPE) and DeepSeek-V2/V3 (MLA, shared
+experts, grouped sigmoid routing with the correction bias, YaRN) files written by our writer, quantized by
+`llama-quantize` as users get them, loaded by both.
 
 The reference is llama.cpp on the file's F32 dequantization (`llama-quantize --allow-requantize X F32`)
 with its KV cache in F32 and flash attention off: there both sides compute float32 math (llama.cpp's
@@ -16,6 +17,7 @@ from __future__ import annotations
 import re
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from tests.engine_runs import teacher_forced
 from tests.hf_models import tiny_model, write_hf_gguf
 from tests.spm_vocab import spm_vocab
 from tools.corpus import CORPUS
-from tools.embedded_vocab import build_embedded_vocab
+from tools.embedded_vocab import build_embedded_vocab, build_vocab
 from tools.synth import PRESETS, with_overrides, write_synth
 
 CTX, CHUNKS = 64, 2
@@ -42,12 +44,24 @@ QUANT_TOLERANCE = 0.02
 F32_TOLERANCE = 1e-3  # the same F32 file on both sides: float32 sums in other orders and the base file's
 # 16-bit log-probabilities (steps of 16/65535 nats); measured <= 9.1e-5
 FLOAT32 = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")  # llama.cpp's KV cache and attention in float32
-SHAPE = dict(hidden_size=256, head_dim=64, num_hidden_layers=4)  # K-quants need 256-column rows
+SHAPE = dict(hidden_size=256, num_hidden_layers=4)  # K-quants need 256-column rows
 MODELS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # 128-column expert FFNs: llama.cpp's Q4_K_M falls back to Q5_0 and Q8_0 for their ffn_down
-    "mixtral": ("mixtral", spm_vocab(), dict(intermediate_size=128)),
-    "qwen3moe": ("qwen3_moe", build_embedded_vocab(), dict(moe_intermediate_size=128, mlp_only_layers=[])),
+    "mixtral": ("mixtral", spm_vocab(), dict(head_dim=64, intermediate_size=128)),
+    "qwen3moe": ("qwen3_moe", build_embedded_vocab(), dict(head_dim=64, moe_intermediate_size=128,
+                                                           mlp_only_layers=[])),
+    # llama.cpp scores V2's expert groups as V3's (their best two), so V2 here routes without groups
+    "deepseek_v2": ("deepseek_v2", build_vocab("deepseek-v3"), dict(moe_intermediate_size=128,
+                                                                    topk_method="greedy")),
+    "deepseek_v3": ("deepseek_v3", build_vocab("deepseek-v3"), dict(moe_intermediate_size=128)),
+    # without YaRN: llama.cpp rounds its correction range to whole dimensions, gpt-oss does not
+    "gpt_oss": ("gpt_oss", build_vocab("gpt-oss"), dict(head_dim=64, intermediate_size=128,
+                                                        rope_parameters={"rope_type": "default",
+                                                                         "rope_theta": 150000.0})),
 }
+# Quantized files of these architectures run their experts through the float path: the comparison checks the
+# architecture; the CPU kernel's own rounding is the mixtral and qwen3moe cases' and tests/ops/'s to check
+FLOAT_EXPERTS = {"deepseek_v2", "deepseek_v3"}
 
 
 def tool(llama_cpp: Path, name: str, *args: str | Path) -> str:
@@ -119,7 +133,10 @@ def test_llama_cpp_runs_our_writers_files(llama_cpp: Path, f32_model: Path, text
 
 @pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0"])
 def test_quantized_file_agrees_with_llama_cpp_on_its_f32_dequantization(llama_cpp: Path, f32_model: Path,
-                                                                        text: Path, qtype: str) -> None:
+                                                                        text: Path, qtype: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    if f32_model.stem in FLOAT_EXPERTS:
+        monkeypatch.setattr("ops.expert_ffn.native_supports", lambda bank: False)
     quantized = quantize(llama_cpp, f32_model, qtype)
     types = {t.tensor_type for t in GGUFReader(quantized).tensors if "exps" in t.name}
     if qtype == "Q4_K_M":
@@ -136,17 +153,26 @@ def llama_cpp_ppl(llama_cpp: Path, model: Path, text: Path) -> tuple[float, str]
     return float(match.group(1)), out
 
 
-@pytest.mark.parametrize("vocab", ["embedded-bpe", "spm"])
-def test_llama_cpp_loads_synth_files(llama_cpp: Path, text: Path, tmp_path: Path, vocab: str) -> None:
-    preset = with_overrides(PRESETS["tiny"]) if vocab == "embedded-bpe" else \
-        with_overrides(PRESETS["mixtral-8x7b"], num_layers=2, hidden=256, num_heads=4, num_kv_heads=2,
-                       head_dim=64, num_experts=4, expert_ff=256, vocab_size=0, context_length=512)
+SYNTH = {  # preset, vocabulary, general.file_type
+    "embedded-bpe": (PRESETS["tiny"], build_embedded_vocab(), "Q8_0"),
+    "spm": (with_overrides(PRESETS["mixtral-8x7b"], num_layers=2, hidden=256, num_heads=4, num_kv_heads=2,
+                           head_dim=64, num_experts=4, expert_ff=256, vocab_size=0, context_length=512), spm_vocab(),
+            "Q4_K - Medium"),
+    "deepseek2-tiny": (PRESETS["deepseek2-tiny"], build_vocab("deepseek-v3"), "Q4_K - Medium"),
+    # without YaRN: llama.cpp rounds its correction range to whole dimensions, gpt-oss does not
+    "gpt-oss-tiny": (replace(PRESETS["gpt-oss-tiny"], hparams=replace(PRESETS["gpt-oss-tiny"].hparams, yarn=None)),
+                     build_vocab("gpt-oss"), "MXFP4 MoE"),
+}
+
+
+@pytest.mark.parametrize("synth", list(SYNTH))
+def test_llama_cpp_loads_synth_files(llama_cpp: Path, text: Path, tmp_path: Path, synth: str) -> None:
+    preset, vocab, expected = SYNTH[synth]
     path = tmp_path / "synth.gguf"
-    write_synth(path, preset, build_embedded_vocab() if vocab == "embedded-bpe" else spm_vocab(), seed=2)
+    write_synth(path, preset, vocab, seed=2)
     _, log = llama_cpp_ppl(llama_cpp, path, text)
     # general.file_type, from the type holding the most bytes: Q8_0 embeddings, or Q4_K experts beside a
     # small vocabulary (llama.cpp would guess "all F32" from the count of F32 norms)
-    expected = "Q8_0" if vocab == "embedded-bpe" else "Q4_K - Medium"
     assert re.search(r"file type += (.*)\n", log).group(1) == expected  # type: ignore[union-attr]
     # llama.cpp on the file's F32 dequantization and moecache on the file itself
     theirs, _ = llama_cpp_ppl(llama_cpp, quantize(llama_cpp, path, "F32"), text)

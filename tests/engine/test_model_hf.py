@@ -15,7 +15,7 @@ from ops.quants import QType
 from tests.engine.reference_experts import ReferenceExperts
 from tests.hf_models import round_trip_weights, tiny_model, write_hf_gguf
 
-MODEL_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+MODEL_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
 PROMPT_LEN, PREFILL = 40, 24
 
 
@@ -26,8 +26,7 @@ def load_model(path: Path) -> Model:
 
 
 def new_kv(model: Model, slots: int = 1, length: int = 128) -> KVCache:
-    hp = model.hp
-    return KVCache(hp.num_layers, slots, length, hp.num_kv_heads, hp.head_dim, torch.float32, torch.device("cpu"))
+    return KVCache.for_model(model.hp, slots, length, torch.float32, torch.device("cpu"))
 
 
 def run(model: Model, kv: KVCache, ids: list[int], start: int) -> torch.Tensor:
@@ -56,6 +55,21 @@ def test_logits_match_transformers(tmp_path: Path, model_type: str, qtype: QType
     model, kv = load_model(path), None
     kv = new_kv(model)
     # A prefill chunk, then token-by-token decoding through the KV cache.
+    assert rel_error(run(model, kv, ids[:PREFILL], 0), ref[PREFILL - 1]) < 1e-4
+    for pos in range(PREFILL, PROMPT_LEN):
+        assert rel_error(run(model, kv, [ids[pos]], pos), ref[pos]) < 1e-4, f"position {pos}"
+
+
+def test_gpt_oss_mxfp4_experts_match_transformers(tmp_path: Path) -> None:
+    """gpt-oss as released: MXFP4 experts with their biases, everything else in float."""
+    hf = tiny_model("gpt_oss")
+    path = write_hf_gguf(hf, tmp_path / "model.gguf", expert_qtype=QType.MXFP4)
+    round_trip_weights(hf, QType.MXFP4, experts_only=True)
+    ids = torch.randint(0, hf.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = hf_logits(hf, ids)
+    model = load_model(path)
+    assert model.w.layers[0].ffn.experts.gate_type == QType.MXFP4  # type: ignore[union-attr]
+    kv = new_kv(model)
     assert rel_error(run(model, kv, ids[:PREFILL], 0), ref[PREFILL - 1]) < 1e-4
     for pos in range(PREFILL, PROMPT_LEN):
         assert rel_error(run(model, kv, [ids[pos]], pos), ref[pos]) < 1e-4, f"position {pos}"
@@ -94,3 +108,13 @@ def test_batched_sequences_match_single(tmp_path: Path) -> None:
     logits = model.forward(batch, kv)
     for row, ref in zip(logits, singles):
         assert rel_error(row, ref) < 1e-4
+
+
+def test_mla_caches_one_latent_per_token(tmp_path: Path) -> None:
+    """DeepSeek's KV cache holds each token's latent and rotary key once, not every head's K and V."""
+    model = load_model(write_hf_gguf(tiny_model("deepseek_v3"), tmp_path / "model.gguf"))
+    m, kv = model.hp.mla, new_kv(model, slots=2, length=16)
+    assert m is not None and kv.is_latent and kv.v.data_ptr() == kv.k.data_ptr()
+    assert kv.num_bytes == model.hp.num_layers * 2 * 16 * (m.kv_lora_rank + m.rope_dim) * 4
+    full = model.hp.num_heads * (m.nope_dim + m.rope_dim + m.v_dim)  # what MHA would cache per token and layer
+    assert full > 4 * (m.kv_lora_rank + m.rope_dim)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from gguf import GGUFReader, LlamaFileType
@@ -9,6 +10,7 @@ from gguf import GGUFReader, LlamaFileType
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
 from ops.quants import QType
+from tests.engine_runs import greedy_ids
 from tests.spm_vocab import spm_vocab
 from tools.gguf_writer import TensorSpec, file_type
 from tools.synth import PRESETS, with_overrides, write_synth
@@ -33,3 +35,26 @@ def test_spm_synth_model_pads_scores_and_names_its_file_type(tmp_path: Path) -> 
     assert len(fields["tokenizer.ggml.scores"].contents()) == 512
     padded, plain = Tokenizer.from_metadata(GGUFFile(path).metadata), Tokenizer.from_metadata(spm_vocab())
     assert padded.encode("The capital of France") == plain.encode("The capital of France")
+
+
+def test_deepseek2_tiny_has_its_family_tokenizer_and_generates(preset_gguf: Callable[[str], Path]) -> None:
+    path = preset_gguf("deepseek2-tiny")
+    metadata = GGUFFile(path).metadata
+    assert metadata["tokenizer.ggml.pre"] == "deepseek-v3" and metadata["deepseek2.expert_gating_func"] == 2
+    tokenizer = Tokenizer.from_metadata(metadata)
+    prompt = tokenizer.decode(tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
+    assert prompt == "<\uff5cbegin\u2581of\u2581sentence\uff5c><\uff5cUser\uff5c>Hi<\uff5cAssistant\uff5c>"
+    _, _, output = greedy_ids(path, "Once upon a time", 8)
+    assert len(output) == 8
+
+
+def test_gpt_oss_tiny_has_its_family_tokenizer_and_generates(preset_gguf: Callable[[str], Path]) -> None:
+    path = preset_gguf("gpt-oss-tiny")
+    metadata = GGUFFile(path).metadata
+    assert metadata["tokenizer.ggml.pre"] == "gpt-4o" and metadata["gpt-oss.attention.sliding_window"] == 16
+    tokenizer = Tokenizer.from_metadata(metadata)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    assert tokenizer.decode(prompt) == "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+    assert tokenizer.spec.tokens[tokenizer.spec.eos_id] == "<|return|>"
+    _, _, output = greedy_ids(path, "Once upon a time", 8)
+    assert len(output) == 8

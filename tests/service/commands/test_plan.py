@@ -67,3 +67,21 @@ def test_table_output_names_the_smallest_budget(qwen3_30b: Path, capsys: pytest.
     assert main(["plan", str(qwen3_30b), "--mib", "1000"]) == 0
     out = capsys.readouterr().out
     assert "smallest useful cache 21 MiB" in out and "0-47" in out
+
+
+# preset -> its MoE layers and the bytes of one expert (gate and up Q4_K; rows that are not whole 256-column
+# blocks fall back to Q8_0, 34 bytes per 32 columns; MXFP4: 17 bytes per 32 columns)
+REAL_SHAPES = {
+    "deepseek-v2-lite": (list(range(1, 27)), 2 * 1408 * 2048 // 256 * 144 + 2048 * 1408 // 32 * 34),
+    "gpt-oss-20b": (list(range(24)), 3 * 2880 * 2880 // 32 * 17),
+}
+
+
+@pytest.mark.parametrize("preset", list(REAL_SHAPES))
+def test_plan_of_each_architecture_at_real_shapes(preset: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / f"{preset}.gguf"
+    write_synth(path, PRESETS[preset], build_embedded_vocab(), sparse=True)
+    layers, slot_bytes = REAL_SHAPES[preset]
+    group = plan_json(capsys, str(path), "--mib", "2000")["plans"][0]["groups"][0]
+    assert group["layers"] == layers and group["slot_bytes"] == slot_bytes
+    assert group["num_slots"] == 2000 * MiB // slot_bytes
