@@ -13,29 +13,12 @@ import torch
 
 from ops import native
 from ops.bank import ExpertWeights, random_expert_weights
-from ops.cpu_experts import ExpertTask, NativeExperts, QType, load_native
+from ops.cpu_experts import ExpertTask, NativeExperts, QType
 from ops.expert_ffn import expert_ffn_reference
-from tests.ops.test_cpu_experts import assert_close
+from tests.ops.test_cpu_experts import FORMATS, assert_close
 
-FORMATS = [
-    (QType.Q4_K, QType.Q4_K, QType.Q4_K),
-    (QType.Q5_K, QType.Q5_K, QType.Q5_K),
-    (QType.Q6_K, QType.Q6_K, QType.Q6_K),
-    (QType.Q8_0, QType.Q8_0, QType.Q8_0),
-    (QType.Q4_K, QType.Q4_K, QType.Q6_K),
-    (QType.Q8_0, QType.Q4_K, QType.Q5_K),
-    (QType.F16, QType.BF16, QType.F32),
-]
 HIDDEN, FF, NUM_EXPERTS, MAX_TOKENS, TOP_K = 512, 256, 6, 7, 4
 HOST_THREADS = Path(__file__).resolve().parent / "csrc" / "host_threads.c"
-
-
-@pytest.fixture(scope="module")
-def lib() -> NativeExperts:
-    lib = load_native()
-    if lib is None:
-        pytest.skip("no C compiler")
-    return lib
 
 
 class Step:
