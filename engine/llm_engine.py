@@ -305,6 +305,12 @@ class LLMEngine:
         return ModelRunner(self.model, self.kv, self.cache.dispatcher, self.scheduler.config.max_num_seqs,
                            self.config.model.cuda_graphs)
 
+    def capture_graphs(self) -> None:
+        """Capture every decode graph now (a server at start-up): no request waits for a capture."""
+        start = time.perf_counter()
+        if count := self.runner.capture_all():
+            log.info("captured %d decode graphs in %.1f s", count, time.perf_counter() - start)
+
     def set_router(self, router: Router) -> None:
         """Replace the model's router (benchmarks, trace replay) while idle; graphs are captured anew."""
         if self.has_unfinished():

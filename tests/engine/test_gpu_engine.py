@@ -203,6 +203,19 @@ def make_engine(path: Path, graphs: bool, **cache: object) -> LLMEngine:
     return LLMEngine(cfg)
 
 
+def test_a_server_captures_every_decode_graph_before_its_first_request(small_moe_gguf: Path) -> None:
+    engine = make_engine(small_moe_gguf, True, cpu_moe=True, budget_mib=2, miss_mode="stream")
+    engine.capture_graphs()
+    captured = set(engine.runner.graphs)
+    assert captured == {(size, length) for size in (1, 2, 4) for length in engine.runner.buckets}
+    for i in range(3):  # 3 sequences, then fewer: padded batches of 4, 2 and 1, all captured already
+        engine.add_request(Request(f"r{i}", (1, 2, 3 + i), SamplingParams(max_tokens=4 + 2 * i, ignore_eos=True)))
+    while engine.has_unfinished():
+        engine.step()
+    assert set(engine.runner.graphs) == captured
+    engine.close()
+
+
 def teacher_forced_logits(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
     """Prefill the prompts, then feed the same fixed tokens: logits of every decode step, with the cache's
     protocol around each step as the engine runs it."""
