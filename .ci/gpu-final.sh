@@ -5,7 +5,8 @@
 #      and cached (stream) at batch 1 after a 400-token warm-up, then batch 8 at 50%, while the build runs;
 #   2: after the build: llama.cpp's rows on the same file, then the three miss modes at 0, 25 and 50% with
 #      every core free;
-#   3: (device time left) the miss modes on a 16 GB/s link (`--link-gbps`); small budgets against no cache.
+#   3: (device time left) the miss modes on a 16 GB/s link (`--link-gbps`); small budgets against no cache;
+#      the step profile of hybrid and stream at 25%.
 # Usage: .ci/gpu-final.sh 1 | 2 | 3
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,5 +37,8 @@ case "$1" in
   BUDGET_S=80 CACHED_S=75 CACHED_NAME=link16 CACHED_FRACS=0,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 100 --gen-len 24 --repeats 1 --link-gbps 16" bash .ci/gpu-check cached
   BUDGET_S=200 SMALL_S=195 bash .ci/gpu-check small
+  PYTHONPATH=/tmp/site:$PWD timeout 90 python3 .ci/gpu-step-profile.py /tmp/qwen3moe-30b-a3b.gguf --steps 16 \
+    --warmup 200 --config "hybrid 25%=cpumoe,budget=0.25,policy=lru,miss=hybrid" \
+    --config "stream 25%=cpumoe,budget=0.25,policy=lru,miss=stream" 2>&1 | tee "$LOGS/profile.log" | tail -40
   ;;
 esac
