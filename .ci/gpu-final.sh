@@ -3,8 +3,8 @@
 # to back on one machine:
 #   1: llama.cpp's CUDA build started in the background; the gpu tests of the cache's device path; resident
 #      and cached (stream) at batch 1 after a 400-token warm-up, then batch 8 at 50%, while the build runs;
-#   2: after the build: llama.cpp's rows on the same file, then the three miss modes at 0, 25 and 50% with
-#      every core free;
+#   2: after the build: llama.cpp's rows on the same file, then the three miss modes at 0 and 25% and hybrid
+#      at 50% (stream's is part 1's) with every core free;
 #   3: (device time left) the miss modes on a 16 GB/s link (`--link-gbps`); small budgets against no cache;
 #      the step profile of hybrid and stream at 25%.
 # Usage: .ci/gpu-final.sh 1 | 2 | 3
@@ -30,7 +30,9 @@ case "$1" in
   timeout 60 /tmp/llamacpp/llama.cpp/build/bin/llama-batched-bench -m /tmp/qwen3moe-30b-a3b.gguf -fa on \
     -t "$(nproc)" -c 8192 -b 2048 -ub 512 -npp 128 -ntg 64 -npl 8 -ngl 99 -ncmoe 24 2>&1 | grep -E "^\||error" \
     | tee -a "$LOGS/llamacpp.log"
-  BUDGET_S=215 CACHED_S=210 CACHED_NAME=cpumodes CACHED_FRACS=0,0.25,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
+  BUDGET_S=140 CACHED_S=135 CACHED_NAME=cpumodes CACHED_FRACS=0,0.25 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
+    CACHED_EXTRA="--warmup-gen-len 200 --gen-len 32 --repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
+  BUDGET_S=35 CACHED_S=30 CACHED_NAME=hybrid50 CACHED_FRACS=0.5 CACHED_POLICIES=lru CACHED_MODES=hybrid \
     CACHED_EXTRA="--warmup-gen-len 200 --gen-len 32 --repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   ;;
 3)
