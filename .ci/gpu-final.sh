@@ -33,7 +33,7 @@ case "$1" in
   BUDGET_S=140 CACHED_S=135 CACHED_NAME=cpumodes CACHED_FRACS=0,0.25 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 200 --gen-len 32 --repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   BUDGET_S=35 CACHED_S=30 CACHED_NAME=hybrid50 CACHED_FRACS=0.5 CACHED_POLICIES=lru CACHED_MODES=hybrid \
-    CACHED_EXTRA="--warmup-gen-len 200 --gen-len 32 --repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
+    CACHED_EXTRA="--warmup-gen-len 400 --gen-len 32 --repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   ;;
 3)
   BUDGET_S=80 CACHED_S=75 CACHED_NAME=link16 CACHED_FRACS=0,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
