@@ -16,7 +16,7 @@ import importlib  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from types import ModuleType  # noqa: E402
 
-COMMANDS = ("generate", "perplexity", "synth", "plan", "serve", "bench")
+COMMANDS = ("generate", "perplexity", "synth", "plan", "serve", "bench", "bench-serve")
 OWN_PACKAGES = ("engine", "ops", "service", "tools")
 # Import names whose distribution is named otherwise, for the message of a command that cannot load.
 DISTRIBUTIONS = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "grpc_reflection": "grpcio-reflection",
