@@ -118,7 +118,7 @@ class ServeSettings:
     gen_len: int  # tokens each stream generates (greedy, ignore_eos)
     prompt_tokens: int
     repeats: int  # runs per row; the run of median decode speed is reported
-    num_joining: int = 0  # requests that join each run once every stream decodes
+    num_joining: int = 0  # requests that join runs of their own once every stream decodes
     joining_prompt_tokens: int = 0
     joining_every_ms: float = 0.0
 
@@ -161,8 +161,9 @@ def format_table(report: ServeBenchReport) -> str:
     s = report.settings
     lines = [f"model {report.model}; server: {report.server}",
              f"{s.prompt_tokens}-token prompt, {s.gen_len} tokens per stream (greedy, ignore_eos), median of "
-             f"{s.repeats} runs" + (f"; {s.num_joining} prompts of {s.joining_prompt_tokens} tokens join each run, "
-                                   f"one every {s.joining_every_ms:g} ms" if s.num_joining else ""),
+             f"{s.repeats} runs" + (f"; in {s.repeats} more runs {s.num_joining} prompts of "
+                                   f"{s.joining_prompt_tokens} tokens join, one every {s.joining_every_ms:g} ms"
+                                   if s.num_joining else ""),
              "", HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [_row(f, report.engine_at(f.clients)) for f in report.served]
     lines += [_engine_row(e) for e in report.engine]

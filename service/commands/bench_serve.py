@@ -8,13 +8,13 @@ import argparse
 import asyncio
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
-
-import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
+from engine.llm_engine import resolve_device
 from service.bench.report import describe_machine
 from service.bench.runner import Prompts, RunSettings, decode_phases
 from service.bench.server_process import ServerProcess
@@ -48,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     r.add_argument("--gen-len", type=int, default=64, help="tokens each stream generates")
     r.add_argument("--prompt", default=PROMPT, help="the prompt of every stream")
     r.add_argument("--repeats", type=int, default=3, help="runs per row after one warm-up run (median)")
-    r.add_argument("--join", type=int, default=0, metavar="N", help="requests that join each run once every "
-                   "stream decodes (their prompts' prefill beside the running decodes)")
+    r.add_argument("--join", type=int, default=0, metavar="N", help="requests that join runs of their own once "
+                   "every stream decodes (their prompts' prefill beside the running decodes)")
     r.add_argument("--join-prompt-len", type=int, default=256, metavar="TOKENS", help="prompt of a joining request")
     r.add_argument("--join-every-ms", type=float, default=20.0, help="time between two joining requests")
     r.add_argument("--no-engine", action="store_true", help="no in-process engine figure")
@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
                              args.join_every_ms if args.join else 0.0)
     served, server = measure_served(args, config, settings, load, joining)
     engine = () if args.no_engine else measure_engine(config, args.routing, settings)
-    device = torch.device(config.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    report = ServeBenchReport(str(config.model.path), server, describe_machine(device), settings, served, engine)
+    machine = describe_machine(resolve_device(config.model.device))
+    report = ServeBenchReport(str(config.model.path), server, machine, settings, served, engine)
     if args.json:
         write_json(report, args.json)
     print(format_table(report))
@@ -143,14 +143,17 @@ async def measure_paths(url: str, grpc_target: str | None, settings: ServeSettin
 
 async def measure_row(path: str, client: Client, settings: ServeSettings, load: Load, joining: Load | None,
                       num_clients: int) -> ServedFigures:
-    """A warm-up run, then `repeats` runs; the run of median decode speed."""
-    runs = []
-    for repeat in range(settings.repeats + 1):
-        run = await run_clients(client, load, num_clients, joining, settings.num_joining,
-                                settings.joining_every_ms / 1e3)
-        if repeat > 0:
-            runs.append(served_figures(path, run))
-    return median_run(runs)
+    """A warm-up run, then `repeats` runs: the run of median decode speed; with joining requests, as many
+    runs again with them, whose latencies while they join are added to it."""
+    plain = [served_figures(path, await run_clients(client, load, num_clients)) for _ in range(settings.repeats + 1)]
+    figures = median_run(plain[1:])
+    if joining is None:
+        return figures
+    joined = [served_figures(path, await run_clients(client, load, num_clients, joining, settings.num_joining,
+                                                     settings.joining_every_ms / 1e3))
+              for _ in range(settings.repeats)]
+    middle = median_run(joined)
+    return replace(figures, itl_joining=middle.itl_joining, ttft_joining=middle.ttft_joining)
 
 
 # -- in process ------------------------------------------------------------------------------------------
