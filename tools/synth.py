@@ -13,10 +13,9 @@ import torch
 
 from engine.arch import HParams, get_arch
 from engine.arch.base import GLOBAL_TENSORS, MLA, Routing, YaRN, layer_tensor, sliding_pattern, yarn_mscale
+from engine.gguf.vocab import TokenType
 from ops.quants import QType, format_of, random_blocks
 from tools.gguf_writer import TensorSpec, write_gguf
-
-TOKEN_TYPE_UNUSED = 5
 
 
 @dataclass(frozen=True)
@@ -191,13 +190,17 @@ def _ffn_tensors(preset: Preset, rnd: _Random, i: int) -> Iterator[TensorSpec]:
 
 
 def padded_vocab(vocab: dict[str, Any], size: int) -> dict[str, Any]:
-    """Tokenizer metadata padded with unused tokens to the model's vocabulary size."""
+    """Tokenizer metadata padded to the model's vocabulary size with normal tokens of visible text.
+
+    A random-weight model samples the padding as often as any token; unused tokens would decode to nothing
+    and leave its streams without text. Their text splits into no two tokens, so no merge reaches them and
+    the encoding of any text is unchanged."""
     tokens = list(vocab["tokenizer.ggml.tokens"])
     if size < len(tokens):
         raise ValueError(f"vocabulary of {size} is smaller than the tokenizer's {len(tokens)} tokens")
     extra = size - len(tokens)
-    padded = {**vocab, "tokenizer.ggml.tokens": tokens + [f"<|unused_{i}|>" for i in range(extra)],
-              "tokenizer.ggml.token_type": list(vocab["tokenizer.ggml.token_type"]) + [TOKEN_TYPE_UNUSED] * extra}
+    padded = {**vocab, "tokenizer.ggml.tokens": tokens + [f"<|pad_{i}|>" for i in range(extra)],
+              "tokenizer.ggml.token_type": list(vocab["tokenizer.ggml.token_type"]) + [int(TokenType.NORMAL)] * extra}
     if "tokenizer.ggml.scores" in vocab:  # SentencePiece vocabularies score every token
         padded["tokenizer.ggml.scores"] = list(vocab["tokenizer.ggml.scores"]) + [0.0] * extra
     return padded

@@ -1,4 +1,5 @@
-"""Random-weight models as llama.cpp reads them: the file type named, SentencePiece scores padded."""
+"""Random-weight models as llama.cpp reads them: the file type named, SentencePiece scores padded; every
+token, the padding too, decodes to text."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from engine.gguf.tokenizer import Tokenizer
 from ops.quants import QType
 from tests.engine_runs import greedy_ids
 from tests.spm_vocab import spm_vocab
+from tools.embedded_vocab import build_embedded_vocab
 from tools.gguf_writer import TensorSpec, file_type
-from tools.synth import PRESETS, with_overrides, write_synth
+from tools.synth import PRESETS, padded_vocab, with_overrides, write_synth
+
+TOKENS = "tokenizer.ggml.tokens"
 
 
 def test_file_type_is_the_type_holding_the_most_bytes() -> None:
@@ -58,3 +62,23 @@ def test_gpt_oss_tiny_has_its_family_tokenizer_and_generates(preset_gguf: Callab
     assert tokenizer.spec.tokens[tokenizer.spec.eos_id] == "<|return|>"
     _, _, output = greedy_ids(path, "Once upon a time", 8)
     assert len(output) == 8
+
+
+def test_every_token_of_a_padded_synth_model_decodes_to_text(tmp_path: Path) -> None:
+    # the padding (the big presets' vocabularies are larger than the tokenizer's) is sampled like any token
+    preset = with_overrides(PRESETS["tiny"], num_layers=1, vocab_size=len(build_embedded_vocab()[TOKENS]) + 300)
+    path = tmp_path / "tiny.gguf"
+    write_synth(path, preset, build_embedded_vocab(), seed=1)
+    tokenizer = Tokenizer.from_metadata(GGUFFile(path).metadata)
+    assert tokenizer.vocab_size == preset.hparams.vocab_size
+    assert all(tokenizer.decode([token_id]) for token_id in range(tokenizer.vocab_size))
+    padding = [tokenizer.decode([token_id]) for token_id in range(tokenizer.vocab_size - 300, tokenizer.vocab_size)]
+    assert all(text.isprintable() and not text.isspace() for text in padding)
+    assert len(set(padding)) == 300
+
+
+def test_padding_leaves_the_encoding_of_text_unchanged(tmp_path: Path) -> None:
+    vocab = build_embedded_vocab()
+    padded = Tokenizer.from_metadata(padded_vocab(vocab, len(vocab[TOKENS]) + 50))
+    text = "The capital of France <|pad_3|> is Paris"
+    assert padded.encode(text) == Tokenizer.from_metadata(vocab).encode(text)
