@@ -22,7 +22,7 @@ from ops.cpu_experts import (
 from ops.expert_ffn import expert_ffn_reference
 
 # gate, up, down types; Q4_K gate/up + Q6_K down is the Q4_K_M layout, Q8_0 + Q4_K mixes two
-# activation formats in one layer
+# activation formats in one layer; MXFP4 is gpt-oss's
 FORMATS = [
     (QType.Q4_K, QType.Q4_K, QType.Q4_K),
     (QType.Q5_K, QType.Q5_K, QType.Q5_K),
@@ -31,6 +31,8 @@ FORMATS = [
     (QType.Q4_K, QType.Q4_K, QType.Q6_K),
     (QType.Q8_0, QType.Q4_K, QType.Q5_K),
     (QType.F16, QType.BF16, QType.F32),
+    (QType.MXFP4, QType.MXFP4, QType.MXFP4),
+    (QType.MXFP4, QType.Q4_K, QType.MXFP4),
 ]
 # build flags -> the SIMD path they must select on an x86 machine with AVX-512 VNNI
 VARIANTS = {(): None, ("-mno-avx512f",): "avx2", ("-DMOECACHE_SCALAR",): "scalar"}
@@ -118,6 +120,7 @@ def test_thread_count_does_not_change_the_result() -> None:
 
 @pytest.mark.parametrize(("types", "hidden", "ff"), [
     ((QType.Q8_0, QType.Q8_0, QType.Q8_0), 96, 160),  # odd block counts: the one-block tail of a pair
+    ((QType.MXFP4, QType.MXFP4, QType.MXFP4), 96, 160),
     ((QType.Q4_K, QType.Q5_K, QType.Q6_K), 256, 256),  # one super-block a row
 ])
 def test_short_rows_match_reference(types: tuple[QType, QType, QType], hidden: int, ff: int) -> None:
