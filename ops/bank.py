@@ -84,19 +84,23 @@ SCALE_FIELDS: dict[QType, tuple[int, ...]] = {
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
 }
+# byte offsets of the e8m0 exponent fields (w = 2**(e - 128) * code) in one block of each format
+E8M0_FIELDS: dict[QType, tuple[int, ...]] = {QType.MXFP4: (0,)}
 _FLOAT_DTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 
 
 def random_rows(rng: np.random.Generator, num_rows: tuple[int, int], num_cols: int, qtype: QType) -> torch.Tensor:
-    """Valid random bytes uint8 [*num_rows, row_bytes]: random blocks with small finite fp16 scales."""
+    """Valid random bytes uint8 [*num_rows, row_bytes]: random blocks with small finite scales."""
     if qtype in _FLOAT_DTYPES:
         values = torch.from_numpy(rng.standard_normal((*num_rows, num_cols), dtype=np.float32) * 0.05)
         return values.to(_FLOAT_DTYPES[qtype]).view(torch.uint8).contiguous()
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (*num_rows, num_cols // block_size, type_size), dtype=np.uint8)
-    for offset in SCALE_FIELDS[qtype]:
+    for offset in SCALE_FIELDS.get(qtype, ()):
         scales = rng.uniform(1e-4, 1e-3, blocks.shape[:-1]).astype(np.float16)
         blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:-1], 2)
+    for offset in E8M0_FIELDS.get(qtype, ()):
+        blocks[..., offset] = rng.integers(119, 123, blocks.shape[:-1])  # 2**-9 .. 2**-6 times codes <= 12
     return torch.from_numpy(blocks.reshape(*num_rows, -1))
 
 

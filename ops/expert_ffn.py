@@ -10,8 +10,8 @@ or what the bank's `ExpertMath` says between the matrices (biases, another activ
 
 - `expert_ffn_reference`: plain torch, each used row dequantized once by `ops.quants`: the oracle every
   path is tested against.
-- `ops.cpu_experts.expert_ffn_cpu`: the native CPU kernel on a host bank of plain math (torch row tiles where no C
-  compiler is present); it takes valid rows only, so `expert_ffn` drops the skipped pairs before it.
+- `ops.cpu_experts.expert_ffn_cpu`: the native CPU kernel on a host bank, its math included (torch row tiles where
+  no C compiler is present); it takes valid rows only, so `expert_ffn` drops the skipped pairs before it.
 - `ops.triton.expert_ffn_triton`: the grouped GEMV kernels on CUDA, for a bank in VRAM or pinned host
   memory. Its launcher `ops.triton.grouped_expert_ffn` reads pointer tables instead of a bank: the expert
   cache's slots are one.
@@ -72,7 +72,7 @@ def expert_ffn_reference(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: to
 
 def native_supports(bank: ExpertWeights) -> bool:
     native = load_native()
-    return native is not None and bank.math.is_plain and native.supports(bank)
+    return native is not None and native.supports(bank)
 
 
 def expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,

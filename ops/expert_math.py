@@ -1,9 +1,9 @@
 """What a routed expert computes between its matrices: `down(act(gate x + b_gate, up x + b_up)) + b_down`.
 
-The plain case, `down(silu(gate x) * up x)` without biases, is what the fast kernels (the native CPU kernel,
-the Triton grouped GEMV) compute. Biases and other activations (gpt-oss's clamped SwiGLU, Gemma's GELU) take
-the paths that read an `ExpertMath` beside the expert bytes: the torch reference, the Triton gather path,
-the grouped GEMM.
+The plain case, `down(silu(gate x) * up x)` without biases, is what the fused Triton grouped GEMV computes.
+Biases and other activations (gpt-oss's clamped SwiGLU, Gemma's GELU) take the paths that read an `ExpertMath`
+beside the expert bytes: the torch reference, the native CPU kernel (`ops/csrc/layer.h`'s `moe_math`), the
+Triton gather path, the grouped GEMM.
 
 NOTE: a math's biases are indexed like the rows of the bank or tables it belongs to: expert ids for a layer's
 bank (host, resident, staged) and its pointer tables; a slot pool's math is gathered for its slots (`at_rows`).

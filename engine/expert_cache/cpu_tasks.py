@@ -21,7 +21,6 @@ from ops.bank import ExpertWeights
 from ops.cache_step import CpuJob
 from ops.cpu_experts import ExpertTask, TaskCounters, expert_ffn_cpu, load_native
 from ops.cuda_host import launch_host_func
-from ops.expert_ffn import expert_ffn_reference
 
 
 class Task(Protocol):
@@ -38,9 +37,8 @@ class Task(Protocol):
 
 
 class PythonTask:
-    """A layer's CPU pairs through `expert_ffn_cpu` (expert types the native task lacks), or the reference
-    (experts whose math is not plain): the same job and result, run from Python only (not a host node: such
-    steps are not captured)."""
+    """A layer's CPU pairs through `expert_ffn_cpu` (expert types or an activation the native task lacks, or no C
+    compiler): the same job and result, run from Python only (not a host node: such steps are not captured)."""
 
     function_address = 0
     address = 0
@@ -56,8 +54,7 @@ class PythonTask:
         pairs = ((job.on_cpu[:num_tokens * top_k] != 0) & (job.expert_ids[:num_tokens * top_k] >= 0)).nonzero()[:, 0]
         experts = job.expert_ids[pairs].long()
         args = (job.x[:num_tokens], pairs // top_k, experts, job.weights[pairs], self.bank)
-        job.out[:num_tokens] = expert_ffn_cpu(*args, num_threads=self.num_threads) if self.bank.math.is_plain \
-            else expert_ffn_reference(*args)
+        job.out[:num_tokens] = expert_ffn_cpu(*args, num_threads=self.num_threads)
         distinct = int(experts.unique().numel())
         for i, n in enumerate((1, len(pairs), distinct, distinct * self.bank.expert_bytes,
                                time.perf_counter_ns() - start)):
@@ -72,7 +69,7 @@ class PythonTask:
 def make_task(bank: ExpertWeights, job: CpuJob, num_threads: int) -> Task:
     """The native task where the kernel supports the layer's types and math, else `PythonTask`."""
     native = load_native()
-    if native is not None and bank.math.is_plain and native.supports(bank):
+    if native is not None and native.supports(bank):
         return ExpertTask(bank, job.x, job.expert_ids, job.weights, job.on_cpu, job.num_tokens, job.out,
                           num_threads=num_threads)
     return PythonTask(bank, job, num_threads)

@@ -18,6 +18,7 @@ from engine.expert_cache.record import HIT, LANDED, ON_CPU, STAGED
 from engine.gguf.reader import GGUFFile
 from engine.llm_engine import LLMEngine
 from engine.weights import ModelWeights, MoE, load_weights
+from ops.cpu_experts import load_native
 from tests.engine.reference_experts import ReferenceExperts
 from tests.engine.test_expert_cache import TOLERANCE, make_cache, published_bytes_match, random_step, rel_error, step
 from tests.engine_runs import teacher_forced
@@ -68,6 +69,22 @@ def test_pairs_are_computed_once_and_outputs_equal_the_reference(arch_weights: M
     cache.flush()
     snap = cache.stats.snapshot()
     assert snap.hits() + snap.misses() == picks  # NOTE: every pair counted exactly once
+    cache.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "hybrid"])
+def test_cpu_pairs_run_as_native_tasks(arch_weights: ModelWeights, mode: str) -> None:
+    """The native kernel computes each layout's experts, gpt-oss's MXFP4 with biases and clamped SwiGLU among
+    them: the CPU's share of a step is a host node, never Python."""
+    if load_native() is None:
+        pytest.skip("no C compiler")
+    cache = make_cache(arch_weights, miss_mode=mode, budget_mib=1)
+    assert cache.cpu is not None and cache.cpu.is_native
+    hp, rng = arch_weights.hparams, np.random.default_rng(7)
+    routed = {layer: random_step(rng, 3, hp.num_experts, hp.top_k, np.arange(hp.num_experts))
+              for layer in arch_weights.moe_layers}
+    step(cache, routed, 3)
+    assert cache.cpu.work().calls > 0
     cache.close()
 
 
