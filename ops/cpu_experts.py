@@ -70,7 +70,7 @@ class NativeExperts:
             raise RuntimeError("MoeTaskStruct does not match struct moe_task in ops/csrc/cpu_experts.c")
 
     def supports(self, w: ExpertWeights) -> bool:
-        return all(self._supports(int(t)) for t in (w.gate_type, w.up_type, w.down_type))
+        return w.is_contiguous and all(self._supports(int(t)) for t in (w.gate_type, w.up_type, w.down_type))
 
     def start_pool(self, num_threads: int | None = None, spin_us: int | None = None) -> int:
         """Size the worker pool (threads per layer, the caller included; default: one per core) and how long
