@@ -158,7 +158,8 @@ def project(a: GemmaAttention, x: torch.Tensor, positions: torch.Tensor, inv_fre
                       a.k_norm, a.num_heads)
     # NOTE: without a v projection the values are the keys before their norm and rotation
     v = qkv[:, heads * hd:] if a.has_v else qkv[:, a.num_heads * hd:heads * hd]
-    return qk[:, :a.num_heads], qk[:, a.num_heads:], rms_norm(v.reshape(n, a.num_kv_heads, hd), a.v_norm, eps)
+    v = v.contiguous().view(n, a.num_kv_heads, hd)  # a column slice of the projection: rows made whole for the norm
+    return qk[:, :a.num_heads], qk[:, a.num_heads:], rms_norm(v, a.v_norm, eps)
 
 
 def ffn_block(x: torch.Tensor, ffn_norm: torch.Tensor, ffn: Any, s: Sandwich, eps: float,

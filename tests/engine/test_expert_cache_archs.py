@@ -1,6 +1,7 @@
 """The expert cache on each architecture's own layout (DeepSeek: shared experts beside the routed ones, a
 leading dense layer, grouped sigmoid routing; gpt-oss: MXFP4 experts with biases by expert id, its clamped
-SwiGLU, a router bias): every (token, expert) pair computed exactly once and the
+SwiGLU, a router bias; Gemma 4: GELU experts whose gate and up are views of merged tensors, a per-expert
+scale, a dense MLP beside them): every (token, expert) pair computed exactly once and the
 outputs those of the reference, in every miss mode and policy, at the dispatcher and through the engine."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.engine.reference_experts import ReferenceExperts
 from tests.engine.test_expert_cache import TOLERANCE, make_cache, published_bytes_match, random_step, rel_error, step
 from tests.engine_runs import teacher_forced
 
-ARCH_PRESETS = ["deepseek2-tiny", "gpt-oss-tiny"]
+ARCH_PRESETS = ["deepseek2-tiny", "gpt-oss-tiny", "gemma4-tiny"]
 POLICIES = ["lru", "decay", "lfru", "static"]
 MODES = ["cpu", "stream", "hybrid"]
 

@@ -58,3 +58,18 @@ def test_gpt_oss_tiny_has_its_family_tokenizer_and_generates(preset_gguf: Callab
     assert tokenizer.spec.tokens[tokenizer.spec.eos_id] == "<|return|>"
     _, _, output = greedy_ids(path, "Once upon a time", 8)
     assert len(output) == 8
+
+
+def test_gemma4_tiny_has_its_family_tokenizer_and_generates(preset_gguf: Callable[[str], Path]) -> None:
+    path = preset_gguf("gemma4-tiny")
+    gguf = GGUFFile(path)
+    metadata = gguf.metadata
+    assert metadata["tokenizer.ggml.model"] == "gemma4" and metadata["gemma4.attention.sliding_window"] == 16
+    assert metadata["gemma4.attention.head_count_kv"] == [2, 1, 2, 1] and gguf.has("blk.0.ffn_gate_up_exps.weight")
+    assert not gguf.has("blk.1.attn_v.weight") and not gguf.has("output.weight")  # keys as values, tied output
+    tokenizer = Tokenizer.from_metadata(metadata)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    assert tokenizer.decode(prompt) == "<bos><|turn>user\nHi<turn|>\n<|turn>model\n"
+    assert tokenizer.spec.tokens[tokenizer.spec.eot_id] == "<turn|>"
+    _, _, output = greedy_ids(path, "Once upon a time", 8)
+    assert len(output) == 8
