@@ -62,7 +62,8 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         "gpt_oss": lambda: tf.GptOssConfig(**SHAPE, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
                                            intermediate_size=32, sliding_window=8,
                                            rope_parameters=dict(GPT_OSS_YARN)),
-        "gemma4_text": lambda: tf.Gemma4TextConfig(**{**SHAPE, "num_hidden_layers": 4}, **GEMMA4_SHAPE),
+        # its per-layer shapes are drawn at construction: the overrides go in there
+        "gemma4_text": lambda: tf.Gemma4TextConfig(**{**SHAPE, "num_hidden_layers": 4, **GEMMA4_SHAPE, **overrides}),
     }
     config = configs[model_type]()
     config.initializer_range = 0.08  # peaky logits: greedy choices are far from ties

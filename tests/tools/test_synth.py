@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from gguf import GGUFReader, LlamaFileType
 
+from engine.arch import get_arch
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
 from ops.quants import QType
 from tests.engine_runs import greedy_ids
 from tests.spm_vocab import spm_vocab
+from tools.embedded_vocab import build_vocab
 from tools.gguf_writer import TensorSpec, file_type
 from tools.synth import PRESETS, with_overrides, write_synth
 
@@ -73,3 +77,17 @@ def test_gemma4_tiny_has_its_family_tokenizer_and_generates(preset_gguf: Callabl
     assert tokenizer.spec.tokens[tokenizer.spec.eot_id] == "<turn|>"
     _, _, output = greedy_ids(path, "Once upon a time", 8)
     assert len(output) == 8
+
+
+@pytest.mark.parametrize("name", ["gemma4-26b-a4b", "gemma4-tiny"])
+def test_gemma4_hyperparameters_round_trip_through_the_file(tmp_path: Path, name: str) -> None:
+    """Per-kind head sizes, KV heads and rope bases, the window pattern and the soft-cap, written as llama.cpp
+    reads them and read back unchanged."""
+    preset = PRESETS[name]
+    path = tmp_path / f"{name}.gguf"
+    write_synth(path, preset, build_vocab("gemma4"), sparse=True)
+    gguf = GGUFFile(path)
+    vocab_size = len(gguf.metadata["tokenizer.ggml.tokens"])
+    read = get_arch("gemma4").hparams(gguf.metadata, vocab_size)
+    assert read.rms_eps == pytest.approx(preset.hparams.rms_eps)  # stored as float32
+    assert replace(read, rms_eps=preset.hparams.rms_eps) == replace(preset.hparams, vocab_size=vocab_size)
