@@ -28,6 +28,8 @@ import torch
 from gguf import GGUFReader
 
 from engine.config import EngineConfig, ModelConfig
+from engine.gguf.reader import GGUFFile
+from engine.gguf.tokenizer import Tokenizer
 from engine.llm_engine import LLMEngine
 from ops.quants import QType
 from service.commands.logits_file import BaseFile, open_base
@@ -208,3 +210,16 @@ def test_llama_cpp_loads_synth_files(llama_cpp: Path, text: Path, tmp_path: Path
         rows = engine.score(scored, CTX // 2)
         nll += (-rows[torch.arange(len(rows)), torch.tensor(ids[CTX // 2 + 1:])]).tolist()
     assert float(np.exp(np.mean(nll))) == pytest.approx(theirs, rel=1e-3)
+
+
+def test_llama_cpp_tokenizes_gemma4_as_we_do(llama_cpp: Path, text: Path, tmp_path: Path) -> None:
+    """The gemma4 vocabulary kind: llama.cpp's tokens for the corpus and for characters the vocabulary lacks
+    (byte fallback), runs of spaces and newlines."""
+    path = tmp_path / "gemma4.gguf"
+    write_synth(path, PRESETS["gemma4-tiny"], build_vocab("gemma4"), seed=2, sparse=True)
+    sample = tmp_path / "sample.txt"
+    sample.write_text(text.read_text(encoding="utf-8") + "\n\n\n  two  spaces\t\u65e5\u672c \U0001f642 caf\u00e9\n",
+                      encoding="utf-8")
+    out = tool(llama_cpp, "llama-tokenize", "-m", path, "-f", sample, "--ids", "--log-disable", "--no-escape")
+    theirs = [int(i) for i in re.findall(r"\d+", out.strip().splitlines()[-1])]
+    assert Tokenizer.from_metadata(GGUFFile(path).metadata).encode(sample.read_text(encoding="utf-8")) == theirs
