@@ -130,3 +130,16 @@ def test_gemma4_layout(tmp_path: Path) -> None:
     hp, kv = model.hp, new_kv(model, slots=2, length=16)
     assert [tuple(k.shape) for k in kv.k] == [(2, 2, 16, 16), (2, 1, 16, 32), (2, 2, 16, 16), (2, 0, 16, 32)]
     assert hp.kv_layer(3) == 1 and hp.kv_layer(2) == 2
+
+
+def test_gemma4_dense_matches_transformers(tmp_path: Path) -> None:
+    """Gemma 4 without experts (31B's layout): every layer's GELU MLP alone between its norms."""
+    hf = tiny_model("gemma4_text", enable_moe_block=False, num_experts=None, top_k_experts=None,
+                    moe_intermediate_size=None)
+    model = load_model(write_hf_gguf(hf, tmp_path / "model.gguf"))
+    assert not model.w.moe_layers
+    ids = torch.randint(0, hf.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref, kv = hf_logits(hf, ids), new_kv(model)
+    assert rel_error(run(model, kv, ids[:PREFILL], 0), ref[PREFILL - 1]) < 1e-4
+    for pos in range(PREFILL, PROMPT_LEN):
+        assert rel_error(run(model, kv, [ids[pos]], pos), ref[pos]) < 1e-4, f"position {pos}"
