@@ -1,4 +1,8 @@
-"""A contiguous KV cache: one slot of `max_len` positions per running sequence."""
+"""A contiguous KV cache: one slot of `max_len` positions per running sequence.
+
+Each layer's keys and values are `[slots, kv_heads, max_len, head_dim]`. Layers of one shape are views of
+one tensor; where layers differ (Gemma 4: wider heads and fewer KV heads in its full-attention layers,
+nothing cached by its shared-KV layers) each layer has a tensor of its own."""
 
 from __future__ import annotations
 
@@ -7,28 +11,38 @@ import torch
 from engine.arch.base import HParams
 from ops.fused import write_kv
 
+LayerShape = tuple[int, int]  # (kv_heads, head_dim) of one layer's cache; 0 heads: the layer caches nothing
+
 
 class KVCache:
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, latent_values: int = 0) -> None:
+    def __init__(self, shapes: list[LayerShape], num_slots: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device, latent_values: int = 0) -> None:
         """latent_values > 0: keys and values share one tensor (multi-head latent attention caches each token's
         latent once): the values are the keys' first `latent_values` columns."""
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = self.k[..., :latent_values] if latent_values else torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots, self.max_len, self.is_latent = num_slots, max_len, latent_values > 0
+        new = lambda heads, dim, n: torch.zeros((n, num_slots, heads, max_len, dim), dtype=dtype, device=device)  # noqa: E731
+        if len(set(shapes)) == 1:  # one tensor for all layers
+            k = new(*shapes[0], len(shapes))
+            v = k[..., :latent_values] if latent_values else new(*shapes[0], len(shapes))
+            self.storage = [k] if latent_values else [k, v]
+            self.k, self.v = list(k.unbind(0)), list(v.unbind(0))
+        else:
+            self.k = [new(heads, dim, 1)[0] for heads, dim in shapes]
+            self.v = [new(heads, dim, 1)[0] for heads, dim in shapes]
+            self.storage = self.k + self.v
 
     @classmethod
     def for_model(cls, hp: HParams, num_slots: int, max_len: int, dtype: torch.dtype,
                   device: torch.device) -> KVCache:
         if hp.mla is not None:  # [latent, rotary key] per token and layer
-            return cls(hp.num_layers, num_slots, max_len, 1, hp.mla.latent_dim, dtype, device, hp.mla.kv_lora_rank)
-        return cls(hp.num_layers, num_slots, max_len, hp.num_kv_heads, hp.head_dim, dtype, device)
+            return cls([(1, hp.mla.latent_dim)] * hp.num_layers, num_slots, max_len, dtype, device,
+                       hp.mla.kv_lora_rank)
+        shapes = [(hp.kv_heads_of(i) if hp.kv_layer(i) == i else 0, hp.head_dim_of(i)) for i in range(hp.num_layers)]
+        return cls(shapes, num_slots, max_len, dtype, device)
 
     @property
     def num_bytes(self) -> int:
-        tensors = (self.k,) if self.is_latent else (self.k, self.v)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.storage)
 
     def write(self, layer: int, slot_ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor | None) -> None:
@@ -42,8 +56,8 @@ class KVCache:
 
     def window(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` positions of every slot (views): `[slots, kv_heads, length, head_dim]`."""
-        return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
+        return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
 
     def sequence(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One slot's first `length` positions (a view): `[kv_heads, length, head_dim]`."""
-        return self.k[layer, slot, :, :length], self.v[layer, slot, :, :length]
+        return self.k[layer][slot, :, :length], self.v[layer][slot, :, :length]

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
-from engine.arch import deepseek2
+from engine.arch import deepseek2, gemma4
 from engine.arch.base import YaRN
 from engine.arch.deepseek2 import MLAttention
+from engine.arch.gemma4 import GemmaAttention
 from engine.kv_cache import KVCache
 from engine.layers import swiglu
 from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
-from engine.weights import Attention, DenseFFN, ModelWeights
+from engine.weights import Attention, DenseFFN, Layer, ModelWeights, MoE
 from ops.fused import add_rms_norm, attention, causal_mask, decode_attention, qk_norm_rope, rms_norm
 
 
@@ -88,11 +90,17 @@ class Model:
     def __init__(self, weights: ModelWeights, experts: ExpertExecutor, router: Router | None = None) -> None:
         self.w, self.hp, self.arch, self.experts = weights, weights.hparams, weights.arch, experts
         self.router: Router = router or TopKRouter.of(weights)
-        hp = self.hp
-        self.inv_freq = rope_frequencies(hp.rope_dim, hp.rope_theta, hp.rope_scale, weights.embed.device, hp.yarn)
+        hp, device = self.hp, weights.embed.device
+        self.inv_freq = rope_frequencies(hp.rope_dim, hp.rope_theta, hp.rope_scale, device, hp.yarn)
+        if weights.rope_factors is not None:  # Gemma 4's proportional rope on its full-attention layers
+            self.inv_freq = self.inv_freq / weights.rope_factors.to(device)
+        # sliding-window layers of another head size or rope base have their own frequencies
+        self.swa_inv_freq = rope_frequencies(hp.swa_head_dim or hp.rope_dim, hp.swa_rope_theta or hp.rope_theta,
+                                             hp.rope_scale, device, hp.yarn)
         # YaRN's cos/sin magnitude on both q and k: squared into the scores' rotary part
         self.rope_gain = hp.yarn.attn_factor ** 2 if hp.yarn is not None else 1.0
-        self.scale = deepseek2.softmax_scale(hp) if hp.mla else hp.head_dim ** -0.5 * self.rope_gain
+        self.scale = deepseek2.softmax_scale(hp) if hp.mla else \
+            (self.arch.qk_scale or hp.head_dim ** -0.5) * self.rope_gain
 
     @property
     def device(self) -> torch.device:
@@ -108,6 +116,8 @@ class Model:
         `[rows, vocab]`."""
         eps, layers = self.hp.rms_eps, self.w.layers
         x = self.w.embed[batch.input_ids]  # [tokens, hidden]
+        if layers[0].sandwich is not None:
+            return self.forward_sandwich(x, batch, kv)
         h = rms_norm(x, layers[0].attn_norm, eps)
         moe_index = 0
         for i, layer in enumerate(layers):
@@ -122,11 +132,46 @@ class Model:
                 x, h = add_rms_norm(x, out, layers[i + 1].attn_norm, eps)
             else:
                 x = x + out
-        x = rms_norm(x[batch.logit_rows], self.w.norm, eps)
-        return F.linear(x, self.w.output).float()
+        return self.logits(x[batch.logit_rows])
 
-    def attention(self, i: int, a: Attention | MLAttention, x: torch.Tensor, batch: ForwardBatch,
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(rms_norm(x, self.w.norm, self.hp.rms_eps), self.w.output).float()
+        cap = self.hp.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+    def forward_sandwich(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Gemma 4: scaled embeddings, every block normed before and after (`engine.arch.gemma4`)."""
+        eps, moe_index = self.hp.rms_eps, 0
+        x = x * self.hp.hidden ** 0.5
+        for i, layer in enumerate(self.w.layers):
+            s = layer.sandwich
+            assert s is not None, "every layer of a sandwich-normed model has its norms"
+            x = x + rms_norm(self.attention(i, layer.attn, rms_norm(x, layer.attn_norm, eps), batch, kv),
+                             s.post_attn_norm, eps)
+            x = gemma4.ffn_block(x, layer.ffn_norm, layer.ffn, s, eps, self.experts_of(moe_index, i, layer, batch))
+            moe_index += isinstance(layer.ffn, MoE)
+        return self.logits(x[batch.logit_rows])
+
+    def experts_of(self, moe_index: int, i: int, layer: Layer,
+                   batch: ForwardBatch) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A sandwich layer's routed experts on the residual stream (None for a dense layer)."""
+        w, s, eps = layer.ffn, layer.sandwich, self.hp.rms_eps
+        if not isinstance(w, MoE):
+            return None
+        assert s is not None and s.pre_experts_norm is not None and w.router_norm is not None
+        norm, router_norm = s.pre_experts_norm, w.router_norm
+        return lambda x: moe_forward(moe_index, i, rms_norm(x, norm, eps), w, self.router, self.experts,
+                                     batch.token_mask, router_x=rms_norm(x, router_norm, eps))
+
+    def attention(self, i: int, a: Attention | MLAttention | GemmaAttention, x: torch.Tensor, batch: ForwardBatch,
                   kv: KVCache) -> torch.Tensor:
+        if isinstance(a, GemmaAttention):
+            inv_freq = self.swa_inv_freq if self.hp.is_sliding(i) else self.inv_freq
+            q, k, v = gemma4.project(a, x, batch.positions, inv_freq, self.hp.rms_eps)
+            if k is not None:
+                kv.write(i, batch.slot_ids, batch.positions, k, v)
+            # NOTE: a shared-KV layer reads the cache of a layer of its kind: the same window
+            return F.linear(self.attend(self.hp.kv_layer(i), q, batch, kv, None).reshape(x.shape[0], -1), a.o)
         if isinstance(a, MLAttention):
             q, latent = deepseek2.project_qk(a, self.hp, x, batch.positions, self.inv_freq, self.rope_gain)
             kv.write(i, batch.slot_ids, batch.positions, latent, None)

@@ -91,10 +91,13 @@ class ExpertExecutor(Protocol):
 
 
 def moe_forward(moe_index: int, layer: int, x: torch.Tensor, w: MoE, router: Router, experts: ExpertExecutor,
-                token_mask: torch.Tensor | None = None) -> torch.Tensor:
-    logits = F.linear(x, w.router, w.router_bias)  # [tokens, experts]
+                token_mask: torch.Tensor | None = None, router_x: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[tokens, hidden]` -> `[tokens, hidden]`; router_x: what the router reads where it is not x."""
+    logits = F.linear(x if router_x is None else router_x, w.router, w.router_bias)  # [tokens, experts]
     # NOTE: padding rows of a captured batch (token_mask False) select no expert (id -1)
     expert_ids, weights = router(moe_index, logits, token_mask)
+    if w.expert_scale is not None:
+        weights = weights * w.expert_scale[expert_ids.clamp(min=0)]
     out = experts(layer, x, expert_ids, weights)
     if w.shared is None:
         return out

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from engine.arch import ArchSpec, HParams, deepseek2, get_arch
+from engine.arch import ArchSpec, HParams, deepseek2, gemma4, get_arch
 from engine.arch.base import GLOBAL_TENSORS, layer_tensor
 from engine.arch.deepseek2 import MLAttention
+from engine.arch.gemma4 import GemmaAttention, Sandwich
 from engine.gguf.reader import GGUFError, GGUFFile, TensorInfo
-from ops.bank import ExpertWeights
+from ops.bank import ExpertWeights, split_gate_up
 from ops.quants import dequantize, format_of
 
 
@@ -50,14 +51,17 @@ class MoE:
     shared_gate: torch.Tensor | None = None  # [hidden]
     score_bias: torch.Tensor | None = None  # float32 [experts]: added to the scores for choosing (DeepSeek-V3)
     router_bias: torch.Tensor | None = None  # [experts]: added to the router logits (gpt-oss)
+    expert_scale: torch.Tensor | None = None  # float32 [experts]: multiplies each expert's weight (Gemma 4)
+    router_norm: torch.Tensor | None = None  # [hidden]: the router reads rms_norm(residual) with it (Gemma 4)
 
 
 @dataclass(frozen=True)
 class Layer:
     attn_norm: torch.Tensor
-    attn: Attention | MLAttention
+    attn: Attention | MLAttention | GemmaAttention
     ffn_norm: torch.Tensor
     ffn: DenseFFN | MoE
+    sandwich: Sandwich | None = None  # Gemma 4's norms after each block, dense MLP beside the experts, scale
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class ModelWeights:
     norm: torch.Tensor
     output: torch.Tensor  # [vocab, hidden]; the embedding when tied
     layers: tuple[Layer, ...]
+    rope_factors: torch.Tensor | None = None  # float32 [head_dim / 2]: full-attention layers' frequency divisors
 
     @property
     def moe_layers(self) -> list[int]:
@@ -124,14 +129,25 @@ class WeightLoader:
         output = self.optional(g["output"], (hp.vocab_size, hp.hidden))
         layers = tuple(self.layer(i) for i in range(hp.num_layers))
         norm = self.dense(g["norm"], (hp.hidden,))
-        return ModelWeights(hp, self.arch, embed, norm, embed if output is None else output, layers)
+        factors = self.optional(g["rope_freqs"], (hp.rope_dim // 2,), torch.float32)
+        return ModelWeights(hp, self.arch, embed, norm, embed if output is None else output, layers, factors)
 
     def layer(self, i: int) -> Layer:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
+        if self.arch is gemma4.ARCH:
+            return self.gemma_layer(i)
         ffn = self.moe(i) if self.gguf.has(t("router")) else self.dense_ffn(i, "gate", "up", "down", hp.dense_ff)
         attn = deepseek2.load_attention(self, i, hp) if hp.mla else self.attention(i)
         return Layer(self.dense(t("attn_norm"), (hp.hidden,)), attn, self.dense(t(self.arch.ffn_norm), (hp.hidden,)),
                      ffn)
+
+    def gemma_layer(self, i: int) -> Layer:
+        hp, t = self.hp, lambda role: layer_tensor(i, role)
+        is_moe = self.gguf.has(t("router"))
+        ffn: DenseFFN | MoE = replace(self.moe(i), router_norm=gemma4.router_norm(self, i, hp)) if is_moe else \
+            self.dense_ffn(i, "gate", "up", "down", hp.dense_ff)
+        return Layer(self.dense(t("attn_norm"), (hp.hidden,)), gemma4.load_attention(self, i, hp),
+                     self.dense(t("ffn_norm"), (hp.hidden,)), ffn, gemma4.load_sandwich(self, i, hp, is_moe))
 
     def attention(self, i: int) -> Attention:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
@@ -167,15 +183,22 @@ class WeightLoader:
             shared_gate = self.optional(t("shared_gate_inp"), (hp.hidden,))
         return MoE(self.dense(t("router"), (hp.num_experts, hp.hidden)), self.experts(i), shared, shared_gate,
                    self.optional(t("score_bias"), (hp.num_experts,), torch.float32),
-                   self.optional(t("router_bias"), (hp.num_experts,)))
+                   self.optional(t("router_bias"), (hp.num_experts,)),
+                   self.optional(t("down_exps_scale"), (hp.num_experts,), torch.float32))
 
     def experts(self, i: int) -> ExpertWeights:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
-        gate = self.tensor(t("gate_exps"), (hp.num_experts, hp.expert_ff, hp.hidden))
-        up = self.tensor(t("up_exps"), (hp.num_experts, hp.expert_ff, hp.hidden))
-        down = self.tensor(t("down_exps"), (hp.num_experts, hp.hidden, hp.expert_ff))
-        return ExpertWeights(host_bytes(gate), host_bytes(up), host_bytes(down), gate.qtype, up.qtype, down.qtype,
-                             hp.hidden, hp.expert_ff, self.arch.expert_math(self, i, hp))
+        e, ff = hp.num_experts, hp.expert_ff
+        if self.gguf.has(t("gate_up_exps")):  # merged: gate and up are views of one tensor's bytes
+            gate_up = self.tensor(t("gate_up_exps"), (e, 2 * ff, hp.hidden))
+            gate, up = split_gate_up(host_bytes(gate_up))
+            gate_type = up_type = gate_up.qtype
+        else:
+            gate_info, up_info = (self.tensor(t(role), (e, ff, hp.hidden)) for role in ("gate_exps", "up_exps"))
+            gate, up, gate_type, up_type = host_bytes(gate_info), host_bytes(up_info), gate_info.qtype, up_info.qtype
+        down = self.tensor(t("down_exps"), (e, hp.hidden, ff))
+        return ExpertWeights(gate, up, host_bytes(down), gate_type, up_type, down.qtype, hp.hidden, ff,
+                             self.arch.expert_math(self, i, hp))
 
 
 def load_weights(gguf: GGUFFile, device: torch.device, dtype: torch.dtype,

@@ -32,9 +32,17 @@ def expert_bytes(gate_type: QType, up_type: QType, down_type: QType, hidden: int
     return ff * (row_bytes(gate_type, hidden) + row_bytes(up_type, hidden)) + hidden * row_bytes(down_type, ff)
 
 
+def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merged gate/up experts `[experts, 2 * ff, row bytes]` (GGUF's `ffn_gate_up_exps`: gate rows first) ->
+    gate and up views `[experts, ff, row bytes]`, nothing copied."""
+    ff = gate_up.shape[1] // 2
+    return gate_up[:, :ff], gate_up[:, ff:]
+
+
 @dataclass(frozen=True)
 class ExpertWeights:
-    """A bank of routed experts as raw GGUF bytes (contiguous uint8), first dimension = expert or slot."""
+    """A bank of routed experts as raw GGUF bytes (uint8), first dimension = expert or slot. Each expert's
+    matrix is contiguous; experts may lie further apart (gate and up as views of merged gate/up experts)."""
 
     gate: torch.Tensor  # [num_experts, ff, row_bytes(gate_type, hidden)]
     up: torch.Tensor  # [num_experts, ff, row_bytes(up_type, hidden)]
@@ -56,10 +64,15 @@ class ExpertWeights:
 
     @staticmethod
     def _check(name: str, t: torch.Tensor, shape: tuple[int, int, int]) -> None:
-        if t.dtype != torch.uint8 or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous uint8 bytes, got {t.dtype} on {t.device}")
         if tuple(t.shape) != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        if t.dtype != torch.uint8 or not t[0].is_contiguous() or (t.shape[0] > 1 and t.stride(0) < t[0].numel()):
+            raise ValueError(f"{name}: expected uint8 bytes, each expert contiguous, got {t.dtype} on {t.device}")
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Every matrix one contiguous block (what the native CPU kernel reads)."""
+        return all(t.is_contiguous() for t in (self.gate, self.up, self.down))
 
     @property
     def num_experts(self) -> int:

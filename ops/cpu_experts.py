@@ -102,9 +102,9 @@ class NativeExperts:
             raise RuntimeError("MoeTaskStruct does not match struct moe_task in ops/csrc/cpu_experts.c")
 
     def supports(self, w: ExpertWeights) -> bool:
-        """The bank's types and its math's activation have a native kernel."""
+        """The bank's types and its math's activation have a native kernel, its projections are whole tensors."""
         types = all(self._supports(int(t)) for t in (w.gate_type, w.up_type, w.down_type))
-        return types and w.math.activation in ACTIVATIONS
+        return w.is_contiguous and types and w.math.activation in ACTIVATIONS
 
     def start_pool(self, num_threads: int | None = None, spin_us: int | None = None) -> int:
         """Size the worker pool (threads per layer, the caller included; default: one per core) and how long

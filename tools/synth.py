@@ -84,6 +84,18 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
                                yarn=YaRN(4.0, 256, attn_factor=yarn_mscale(4.0), truncate=False)),
            expert_type=QType.MXFP4, description="gpt-oss for tests: sinks, a 16-position window, MXFP4 experts",
            vocab="gpt-oss"),
+    # Q4_0 experts: K-quants cannot hold the 704-column down rows; 4.5 bits everywhere make 3.35 MB an expert
+    Preset("gemma4-26b-a4b", _hp("gemma4", num_layers=30, hidden=2816, num_heads=16, num_kv_heads=2, head_dim=512,
+                                 vocab_size=262144, context_length=262144, num_experts=128, top_k=8, expert_ff=704,
+                                 dense_ff=2112, norm_topk=True, sliding_window=1024, swa_head_dim=256, swa_kv_heads=8,
+                                 swa_rope_theta=1e4, sliding_layers=sliding_pattern(30, 6), logit_softcap=30.0),
+           expert_type=QType.Q4_0, vocab="gemma4",
+           description="Gemma 4 26B-A4B shapes (a dense GELU MLP beside 128 experts, 5 sliding layers to 1 full)"),
+    Preset("gemma4-tiny", _hp("gemma4", num_layers=4, hidden=256, num_heads=4, num_kv_heads=1, head_dim=128,
+                              vocab_size=0, num_experts=16, top_k=4, expert_ff=256, dense_ff=512, norm_topk=True,
+                              sliding_window=16, swa_head_dim=64, swa_kv_heads=2, swa_rope_theta=1e4,
+                              sliding_layers=sliding_pattern(4, 2), logit_softcap=30.0),
+           vocab="gemma4", description="gemma4 for tests: a 16-position window, wide full-attention heads"),
 ]}
 
 
@@ -121,11 +133,40 @@ class _Random:
 def model_tensors(preset: Preset, seed: int, device: str = "cpu") -> Iterator[TensorSpec]:
     hp, rnd = preset.hparams, _Random(seed, device=device)
     yield rnd.tensor(GLOBAL_TENSORS["embed"], (hp.vocab_size, hp.hidden), preset.dense_type)
+    if hp.arch == "gemma4":
+        yield from _gemma4_tensors(preset, rnd)
+        return
     for i in range(hp.num_layers):
         yield from _attention_tensors(preset, rnd, i)
         yield from _ffn_tensors(preset, rnd, i)
     yield rnd.tensor(GLOBAL_TENSORS["norm"], (hp.hidden,), preset.dense_type, ones=True)
     yield rnd.tensor(GLOBAL_TENSORS["output"], (hp.vocab_size, hp.hidden), preset.dense_type)
+
+
+def _gemma4_tensors(preset: Preset, rnd: _Random) -> Iterator[TensorSpec]:
+    """Gemma 4 as its GGUFs hold it: proportional rope (a quarter of the full layers' dimensions rotate), no v
+    in full layers (keys as values), merged gate/up experts, the output tied to the embedding."""
+    hp, dense = preset.hparams, preset.dense_type
+    rotated = hp.head_dim // 8
+    factors = torch.tensor([1.0] * rotated + [1e30] * (hp.head_dim // 2 - rotated))
+    yield TensorSpec(GLOBAL_TENSORS["rope_freqs"], (hp.head_dim // 2,), QType.F32, lambda: factors.view(torch.uint8))
+    for i in range(hp.num_layers):
+        t, hd, e = partial(layer_tensor, i), hp.head_dim_of(i), hp.num_experts
+        q_dim, kv_dim = hp.num_heads * hd, hp.kv_heads_of(i) * hd
+        for role in ("attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm", "pre_ffn_norm_2",
+                     "post_ffn_norm_1", "post_ffn_norm_2", "router_scale"):
+            yield rnd.tensor(t(role), (hp.hidden,), dense, ones=True)
+        roles = [("q", (q_dim, hp.hidden)), ("k", (kv_dim, hp.hidden)), ("v", (kv_dim, hp.hidden)),
+                 ("o", (hp.hidden, q_dim)), ("gate", (hp.dense_ff, hp.hidden)), ("up", (hp.dense_ff, hp.hidden)),
+                 ("down", (hp.hidden, hp.dense_ff))]
+        yield from (rnd.tensor(t(role), shape, dense) for role, shape in roles if role != "v" or hp.is_sliding(i))
+        yield from (rnd.tensor(t(role), (hd,), dense, ones=True) for role in ("q_norm", "k_norm"))
+        yield rnd.tensor(t("router"), (e, hp.hidden), QType.F32)
+        yield rnd.tensor(t("gate_up_exps"), (e, 2 * hp.expert_ff, hp.hidden), preset.expert_type)
+        yield rnd.tensor(t("down_exps"), (e, hp.hidden, hp.expert_ff), preset.expert_type)
+        yield rnd.tensor(t("down_exps_scale"), (e,), QType.F32, ones=True)
+        yield rnd.tensor(t("out_scale"), (1,), QType.F32, ones=True)
+    yield rnd.tensor(GLOBAL_TENSORS["norm"], (hp.hidden,), dense, ones=True)
 
 
 def _attention_tensors(preset: Preset, rnd: _Random, i: int) -> Iterator[TensorSpec]:

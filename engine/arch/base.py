@@ -85,10 +85,20 @@ class HParams:
     num_dense_layers: int = 0  # leading layers with a dense FFN (DeepSeek's first_k_dense_replace)
     sliding_window: int = 0  # positions a sliding-window layer attends to, its own included
     sliding_layers: tuple[int, ...] = ()  # the layers with a sliding window; the others attend to everything
+    swa_head_dim: int = 0  # head size of the sliding-window layers where it differs from the others' (Gemma 4)
+    swa_kv_heads: int = 0  # KV heads of the sliding-window layers where they differ
+    swa_rope_theta: float = 0.0  # rope base of the sliding-window layers where it differs
+    kv_shared_layers: int = 0  # the last n layers read the KV cache of the last earlier layer of their kind
+    logit_softcap: float = 0.0  # logits -> softcap * tanh(logits / softcap)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads")
+        if self.swa_kv_heads and self.num_heads % self.swa_kv_heads:
+            raise ValueError(f"{self.num_heads} heads are not a multiple of {self.swa_kv_heads} KV heads")
+        if self.kv_shared_layers and {self.is_sliding(i) for i in range(self.num_layers)} != \
+                {self.is_sliding(i) for i in range(self.num_layers - self.kv_shared_layers)}:
+            raise ValueError("a kind of attention among the shared-KV layers has no earlier layer to read from")
         if self.top_k > self.num_experts:
             raise ValueError(f"top-k {self.top_k} exceeds {self.num_experts} experts")
         r = self.routing
@@ -99,6 +109,23 @@ class HParams:
     def window(self, layer: int) -> int:
         """The layer's attention window (0: the whole context)."""
         return self.sliding_window if layer in self.sliding_layers else 0
+
+    def is_sliding(self, layer: int) -> bool:
+        return layer in self.sliding_layers
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.swa_head_dim if self.swa_head_dim and self.is_sliding(layer) else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.swa_kv_heads if self.swa_kv_heads and self.is_sliding(layer) else self.num_kv_heads
+
+    def kv_layer(self, layer: int) -> int:
+        """The layer whose KV cache `layer` reads: its own, or for a shared-KV layer the last layer before the
+        shared ones with the same kind of attention (HF's `kv_sharing_modes`)."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        return max(i for i in range(first_shared) if self.is_sliding(i) == self.is_sliding(layer))
 
     @property
     def rope_dim(self) -> int:
@@ -120,7 +147,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 # GGUF tensor names (llama.cpp's), per layer unless noted.
-GLOBAL_TENSORS = {"embed": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight"}
+GLOBAL_TENSORS = {"embed": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight",
+                  "rope_freqs": "rope_freqs.weight"}
 LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
     "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
@@ -134,6 +162,11 @@ LAYER_TENSORS = {
     "shared_gate_inp": "ffn_gate_inp_shexp.weight",
     "gate_shexp": "ffn_gate_shexp.weight", "up_shexp": "ffn_up_shexp.weight", "down_shexp": "ffn_down_shexp.weight",
     "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
+    # Gemma 4: norms around every block, merged gate/up experts, scales
+    "post_ffn_norm": "post_ffw_norm.weight", "pre_ffn_norm_2": "pre_ffw_norm_2.weight",
+    "post_ffn_norm_1": "post_ffw_norm_1.weight", "post_ffn_norm_2": "post_ffw_norm_2.weight",
+    "out_scale": "layer_output_scale.weight", "router_scale": "ffn_gate_inp.scale",
+    "gate_up_exps": "ffn_gate_up_exps.weight", "down_exps_scale": "ffn_down_exps.scale",
     # multi-head latent attention (deepseek2)
     "q_a": "attn_q_a.weight", "q_a_norm": "attn_q_a_norm.weight", "q_b": "attn_q_b.weight",
     "kv_a": "attn_kv_a_mqa.weight", "kv_a_norm": "attn_kv_a_norm.weight", "kv_b": "attn_kv_b.weight",
@@ -170,6 +203,7 @@ class ArchSpec:
     yarn_truncate: bool = True  # how the reference model rounds YaRN's correction range (GGUF has no key)
     ffn_norm: str = "ffn_norm"  # the role (`LAYER_TENSORS`) of the norm before the FFN
     swa_pattern: int = 0  # sliding-window layers where GGUF names none (`sliding_pattern`; llama.cpp's default)
+    qk_scale: float = 0.0  # the attention's softmax scale where it is not 1 / sqrt(head_dim) (Gemma 4: 1)
     extra_keys: Mapping[str, str] = field(default_factory=dict)
 
     def key(self, suffix: str) -> str:

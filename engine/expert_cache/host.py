@@ -23,7 +23,8 @@ def pin_experts(layers: dict[int, ExpertWeights], release: Callable[[int, int], 
     def pinned_copy(src: torch.Tensor) -> torch.Tensor:
         dst = torch.empty(src.shape, dtype=torch.uint8, pin_memory=True)
         dst.copy_(src)
-        release(src.data_ptr(), src.numel())
+        # NOTE: the bytes the tensor spans: a view of merged gate/up experts spans its twin's too
+        release(src.data_ptr(), (src.shape[0] - 1) * src.stride(0) + src[0].numel())
         return dst
 
     pinned = {}

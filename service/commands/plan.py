@@ -39,10 +39,13 @@ def host_layers(gguf: GGUFFile, n_cpu_moe: int) -> list[LayerExperts]:
     num_layers, top_k = gguf.require(arch.key("block_count")), gguf.require(arch.key("expert_used_count"))
     layers = []
     for i in range(num_layers):
-        if not gguf.has(layer_tensor(i, "gate_exps")):
+        # gate and up separate, or merged (Gemma 4's ffn_gate_up_exps, gate rows first)
+        roles = ("gate_up_exps",) if gguf.has(layer_tensor(i, "gate_up_exps")) else ("gate_exps", "up_exps")
+        if not gguf.has(layer_tensor(i, roles[0])):
             continue
-        gate, up, down = infos = [gguf.tensor(layer_tensor(i, role)) for role in ("gate_exps", "up_exps", "down_exps")]
-        num_experts, ff, hidden = gate.shape  # gate [experts, ff, hidden]
+        infos = [gguf.tensor(layer_tensor(i, role)) for role in (*roles, "down_exps")]
+        gate, up, down = infos if len(infos) == 3 else (infos[0], *infos)
+        num_experts, ff, hidden = gate.shape[0], gate.shape[1] // (2 if len(infos) == 2 else 1), gate.shape[2]
         per_expert = expert_bytes(gate.qtype, up.qtype, down.qtype, hidden, ff)
         key = tuple((t.qtype.name, t.shape[1:]) for t in infos)
         layers.append(LayerExperts(i, num_experts, top_k, per_expert, key))

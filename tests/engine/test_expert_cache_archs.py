@@ -1,6 +1,7 @@
 """The expert cache on each architecture's own layout (DeepSeek: shared experts beside the routed ones, a
 leading dense layer, grouped sigmoid routing; gpt-oss: MXFP4 experts with biases by expert id, its clamped
-SwiGLU, a router bias): every (token, expert) pair computed exactly once and the
+SwiGLU, a router bias; Gemma 4: GELU experts whose gate and up are views of merged tensors, a per-expert
+scale, a dense MLP beside them): every (token, expert) pair computed exactly once and the
 outputs those of the reference, in every miss mode and policy, at the dispatcher and through the engine."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.engine.reference_experts import ReferenceExperts
 from tests.engine.test_expert_cache import TOLERANCE, make_cache, published_bytes_match, random_step, rel_error, step
 from tests.engine_runs import teacher_forced
 
-ARCH_PRESETS = ["deepseek2-tiny", "gpt-oss-tiny"]
+ARCH_PRESETS = ["deepseek2-tiny", "gpt-oss-tiny", "gemma4-tiny"]
 POLICIES = ["lru", "decay", "lfru", "static"]
 MODES = ["cpu", "stream", "hybrid"]
 
@@ -79,7 +80,12 @@ def test_cpu_pairs_run_as_native_tasks(arch_weights: ModelWeights, mode: str) ->
     if load_native() is None:
         pytest.skip("no C compiler")
     cache = make_cache(arch_weights, miss_mode=mode, budget_mib=1)
-    assert cache.cpu is not None and cache.cpu.is_native
+    assert cache.cpu is not None
+    if not all(bank.is_contiguous for bank in cache.dispatcher.host.values()):  # gemma4's merged gate/up views
+        assert not cache.cpu.is_native  # the kernel reads whole tensors: such a layer's share runs from Python
+        cache.close()
+        return
+    assert cache.cpu.is_native
     hp, rng = arch_weights.hparams, np.random.default_rng(7)
     routed = {layer: random_step(rng, 3, hp.num_experts, hp.top_k, np.arange(hp.num_experts))
               for layer in arch_weights.moe_layers}
@@ -110,4 +116,7 @@ def test_engine_outputs_equal_the_resident_model(arch_gguf: Path, arch_weights: 
                                                             miss_mode=mode, profile_in=profile))
     assert served > 0
     assert torch.equal(resident.argmax(-1), cached.argmax(-1))
-    assert float((resident - cached).abs().max()) < 1e-3  # nats: sums in another order only
+    # nats: sums in another order only; where the resident bank is views of merged gate/up tensors (gemma4) it
+    # runs the float reference while the cache's slots (whole tensors) run the native kernel's int8 activations
+    merged = not all(ffn.experts.is_contiguous for layer in arch_weights.layers if isinstance(ffn := layer.ffn, MoE))
+    assert float((resident - cached).abs().max()) < (5e-3 if merged else 1e-3)

@@ -45,7 +45,7 @@ def teacher_forced_logits(path: str) -> torch.Tensor:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")
-@pytest.mark.parametrize("model", ["qwen3moe", "deepseek2-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("model", ["qwen3moe", "deepseek2-tiny", "gpt-oss-tiny", "gemma4-tiny"])
 def test_fused_forward_equals_the_torch_forward(small_moe_gguf: Path, preset_gguf: Callable[[str], Path],
                                                 tmp_path: Path, model: str) -> None:
     path = small_moe_gguf if model == "qwen3moe" else preset_gguf(model)

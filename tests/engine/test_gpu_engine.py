@@ -5,6 +5,7 @@ equal to eager steps in every miss mode."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -251,3 +252,21 @@ def test_cuda_graph_steps_equal_eager_steps(small_moe_gguf: Path, cache: dict) -
     assert snap.hits() + snap.misses() > 0 or not cache
     if cache.get("miss_mode") == "stream":
         assert snap.hits() > 0 and snap.uploaded_bytes == 0  # landed misses hit in later captured steps
+
+
+@pytest.mark.parametrize("cache", [dict(), dict(cpu_moe=True, budget_mib=1, miss_mode="stream"),
+                                   dict(cpu_moe=True, budget_mib=1, miss_mode="hybrid")],
+                         ids=["resident", "stream", "hybrid"])
+def test_gemma4_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], cache: dict) -> None:
+    """gemma4-tiny in float32 on the device (captured steps, its wide full-attention heads, merged gate/up
+    experts behind the cache) gives the CPU's logits."""
+    path = preset_gguf("gemma4-tiny")
+    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
+    logits = {}
+    for device in ("cuda", "cpu"):
+        cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
+                           cache=CacheConfig(**cache) if device == "cuda" else CacheConfig(),  # type: ignore[arg-type]
+                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+        logits[device] = teacher_forced_logits(LLMEngine(cfg), prompts, 24)  # past the 16-position window
+    for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
+        assert rel_error(gpu, cpu) < 1e-3

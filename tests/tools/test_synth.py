@@ -4,16 +4,19 @@ token, the padding too, decodes to text."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from gguf import GGUFReader, LlamaFileType
 
+from engine.arch import get_arch
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
 from ops.quants import QType
 from tests.engine_runs import greedy_ids
 from tests.spm_vocab import spm_vocab
-from tools.embedded_vocab import build_embedded_vocab
+from tools.embedded_vocab import build_embedded_vocab, build_vocab
 from tools.gguf_writer import TensorSpec, file_type
 from tools.synth import PRESETS, padded_vocab, with_overrides, write_synth
 
@@ -82,3 +85,32 @@ def test_padding_leaves_the_encoding_of_text_unchanged(tmp_path: Path) -> None:
     padded = Tokenizer.from_metadata(padded_vocab(vocab, len(vocab[TOKENS]) + 50))
     text = "The capital of France <|pad_3|> is Paris"
     assert padded.encode(text) == Tokenizer.from_metadata(vocab).encode(text)
+
+
+def test_gemma4_tiny_has_its_family_tokenizer_and_generates(preset_gguf: Callable[[str], Path]) -> None:
+    path = preset_gguf("gemma4-tiny")
+    gguf = GGUFFile(path)
+    metadata = gguf.metadata
+    assert metadata["tokenizer.ggml.model"] == "gemma4" and metadata["gemma4.attention.sliding_window"] == 16
+    assert metadata["gemma4.attention.head_count_kv"] == [2, 1, 2, 1] and gguf.has("blk.0.ffn_gate_up_exps.weight")
+    assert not gguf.has("blk.1.attn_v.weight") and not gguf.has("output.weight")  # keys as values, tied output
+    tokenizer = Tokenizer.from_metadata(metadata)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    assert tokenizer.decode(prompt) == "<bos><|turn>user\nHi<turn|>\n<|turn>model\n"
+    assert tokenizer.spec.tokens[tokenizer.spec.eot_id] == "<turn|>"
+    _, _, output = greedy_ids(path, "Once upon a time", 8)
+    assert len(output) == 8
+
+
+@pytest.mark.parametrize("name", ["gemma4-26b-a4b", "gemma4-tiny"])
+def test_gemma4_hyperparameters_round_trip_through_the_file(tmp_path: Path, name: str) -> None:
+    """Per-kind head sizes, KV heads and rope bases, the window pattern and the soft-cap, written as llama.cpp
+    reads them and read back unchanged."""
+    preset = PRESETS[name]
+    path = tmp_path / f"{name}.gguf"
+    write_synth(path, preset, build_vocab("gemma4"), sparse=True)
+    gguf = GGUFFile(path)
+    vocab_size = len(gguf.metadata["tokenizer.ggml.tokens"])
+    read = get_arch("gemma4").hparams(gguf.metadata, vocab_size)
+    assert read.rms_eps == pytest.approx(preset.hparams.rms_eps)  # stored as float32
+    assert replace(read, rms_eps=preset.hparams.rms_eps) == replace(preset.hparams, vocab_size=vocab_size)

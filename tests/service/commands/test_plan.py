@@ -70,10 +70,11 @@ def test_table_output_names_the_smallest_budget(qwen3_30b: Path, capsys: pytest.
 
 
 # preset -> its MoE layers and the bytes of one expert (gate and up Q4_K; rows that are not whole 256-column
-# blocks fall back to Q8_0, 34 bytes per 32 columns; MXFP4: 17 bytes per 32 columns)
+# blocks fall back to Q8_0, 34 bytes per 32 columns; MXFP4: 17 bytes per 32 columns; Q4_0: 18 bytes per 32)
 REAL_SHAPES = {
     "deepseek-v2-lite": (list(range(1, 27)), 2 * 1408 * 2048 // 256 * 144 + 2048 * 1408 // 32 * 34),
     "gpt-oss-20b": (list(range(24)), 3 * 2880 * 2880 // 32 * 17),
+    "gemma4-26b-a4b": (list(range(30)), 3 * 704 * 2816 // 32 * 18),  # 3.35 MB
 }
 
 
