@@ -72,10 +72,17 @@ class MoeTaskStruct(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in ("x", "expert_ids", "weights", "on_cpu", "num_tokens", "out")),
         *((name, ctypes.c_int64) for name in ("max_tokens", "top_k", "hidden", "ff", "num_experts")),
         *((name, ctypes.c_void_p) for name in ("gate", "up", "down")),
+        ("strides", ctypes.c_int64 * 3),
         ("math", MoeMathStruct),
         *((name, ctypes.c_int32) for name in ("gate_type", "up_type", "down_type", "num_threads", "error", "reserved")),
         *((name, ctypes.c_int64) for name in ("calls", "pairs", "experts", "bytes", "busy_ns")),
     ]
+
+
+def expert_strides(w: ExpertWeights) -> ctypes.Array[ctypes.c_int64]:
+    """Bytes from one expert to the next in the gate, up and down tensors (views of merged gate/up step over the
+    other half)."""
+    return (ctypes.c_int64 * 3)(*(t.stride(0) * t.element_size() for t in (w.gate, w.up, w.down)))
 
 
 class NativeExperts:
@@ -85,9 +92,9 @@ class NativeExperts:
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         self._ffn = lib.moe_expert_ffn
         # x, num_tokens, token_ids, expert_ids, weights, num_pairs, gate, up, down, gate_type, up_type,
-        # down_type, num_experts, hidden, ff, out, num_threads, math
+        # down_type, num_experts, hidden, ff, out, num_threads, math, strides
         self._ffn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i64, i64, i64, ptr, i32,
-                              ctypes.POINTER(MoeMathStruct)]
+                              ctypes.POINTER(MoeMathStruct), ctypes.POINTER(ctypes.c_int64 * 3)]
         self._ffn.restype = ctypes.c_int
         lib.moe_supports_type.argtypes = [ctypes.c_int]
         self._supports = lib.moe_supports_type
@@ -102,9 +109,9 @@ class NativeExperts:
             raise RuntimeError("MoeTaskStruct does not match struct moe_task in ops/csrc/cpu_experts.c")
 
     def supports(self, w: ExpertWeights) -> bool:
-        """The bank's types and its math's activation have a native kernel, its projections are whole tensors."""
+        """The bank's types and its math's activation have a native kernel."""
         types = all(self._supports(int(t)) for t in (w.gate_type, w.up_type, w.down_type))
-        return w.is_contiguous and types and w.math.activation in ACTIVATIONS
+        return types and w.math.activation in ACTIVATIONS
 
     def start_pool(self, num_threads: int | None = None, spin_us: int | None = None) -> int:
         """Size the worker pool (threads per layer, the caller included; default: one per core) and how long
@@ -150,6 +157,7 @@ class NativeExperts:
             out.data_ptr(),
             num_threads or 0,
             ctypes.byref(math),
+            ctypes.byref(expert_strides(w)),
         )
         if rc:
             raise ValueError(f"expert_ffn_cpu: {_ERRORS.get(rc, f'error {rc}')}")
@@ -208,8 +216,8 @@ class ExpertTask:
         self.struct = MoeTaskStruct(
             x.data_ptr(), expert_ids.data_ptr(), weights.data_ptr(), on_cpu.data_ptr(), num_tokens.data_ptr(),
             out.data_ptr(), max_tokens, pairs // max_tokens, w.hidden, w.ff, w.num_experts, w.gate.data_ptr(),
-            w.up.data_ptr(), w.down.data_ptr(), math, int(w.gate_type), int(w.up_type), int(w.down_type),
-            num_threads or 0)
+            w.up.data_ptr(), w.down.data_ptr(), expert_strides(w), math, int(w.gate_type), int(w.up_type),
+            int(w.down_type), num_threads or 0)
 
     @property
     def address(self) -> int:

@@ -56,7 +56,8 @@ int moe_supports_type(int type) { return find_format(type) != NULL; }
 /* 2: AVX-512 VNNI, 1: AVX2, 0: portable C */
 int moe_simd_level(void) { return MC_SIMD; }
 
-static int make_mat(expert_mat *m, int type, const uint8_t *data, int64_t rows, int64_t cols) {
+/* stride: bytes from one expert to the next, 0 for rows * row_bytes (contiguous experts) */
+static int make_mat(expert_mat *m, int type, const uint8_t *data, int64_t rows, int64_t cols, int64_t stride) {
     m->f = find_format(type);
     if (!m->f) return MOE_EBADTYPE;
     if (cols <= 0 || rows <= 0 || cols % m->f->block) return MOE_EBADSHAPE;
@@ -64,14 +65,17 @@ static int make_mat(expert_mat *m, int type, const uint8_t *data, int64_t rows, 
     m->rows = rows;
     m->cols = cols;
     m->row_bytes = cols / m->f->block * m->f->bytes;
-    return MOE_OK;
+    m->stride = stride ? stride : rows * m->row_bytes;
+    return m->stride < rows * m->row_bytes ? MOE_EBADSHAPE : MOE_OK;
 }
 
+/* strides: gate, up, down bytes from one expert to the next (NULL: contiguous experts) */
 static int make_mats(layer *L, const uint8_t *gate, const uint8_t *up, const uint8_t *down, int gate_type,
-                     int up_type, int down_type, int64_t hidden, int64_t ff) {
-    int err = make_mat(&L->gate, gate_type, gate, ff, hidden);
-    if (!err) err = make_mat(&L->up, up_type, up, ff, hidden);
-    if (!err) err = make_mat(&L->down, down_type, down, hidden, ff);
+                     int up_type, int down_type, int64_t hidden, int64_t ff, const int64_t *strides) {
+    const int64_t none[3] = {0, 0, 0}, *s = strides ? strides : none;
+    int err = make_mat(&L->gate, gate_type, gate, ff, hidden, s[0]);
+    if (!err) err = make_mat(&L->up, up_type, up, ff, hidden, s[1]);
+    if (!err) err = make_mat(&L->down, down_type, down, hidden, ff, s[2]);
     if (!err && (L->math.activation < MOE_SILU || L->math.activation > MOE_GELU)) err = MOE_EBADMATH;
     return err;
 }
@@ -165,14 +169,16 @@ static int check_ids(const int64_t *ids, int64_t n, int64_t limit) {
 /* x: float32 [num_tokens, hidden]; token_ids, expert_ids, weights: [num_pairs];
  * gate, up: [num_experts, ff, row bytes of hidden]; down: [num_experts, hidden, row bytes of ff];
  * out: float32 [num_tokens, hidden], every row written; num_threads <= 0: the pool's default;
- * math: biases and activation, NULL for silu without biases. */
+ * math: biases and activation, NULL for silu without biases; strides: gate, up, down bytes from one expert to
+ * the next (NULL: contiguous experts; views of merged gate/up tensors step over the other half). */
 int moe_expert_ffn(const float *x, int64_t num_tokens, const int64_t *token_ids, const int64_t *expert_ids,
                    const float *weights, int64_t num_pairs, const uint8_t *gate, const uint8_t *up,
                    const uint8_t *down, int gate_type, int up_type, int down_type, int64_t num_experts,
-                   int64_t hidden, int64_t ff, float *out, int num_threads, const moe_math *math) {
+                   int64_t hidden, int64_t ff, float *out, int num_threads, const moe_math *math,
+                   const int64_t *strides) {
     layer L = {.x = x, .out = out, .num_tokens = num_tokens};
     if (math) L.math = *math;
-    int err = make_mats(&L, gate, up, down, gate_type, up_type, down_type, hidden, ff);
+    int err = make_mats(&L, gate, up, down, gate_type, up_type, down_type, hidden, ff, strides);
     if (err) return err;
     if (num_tokens < 0 || num_pairs < 0) return MOE_EBADSHAPE;
     if (!check_ids(token_ids, num_pairs, num_tokens)) return MOE_EBADTOKEN;
@@ -196,6 +202,7 @@ typedef struct moe_task { /* mirrored by MoeTaskStruct in ops/cpu_experts.py */
     float *out;                /* [max_tokens, hidden]: rows < *num_tokens written, 0 where no CPU pair */
     int64_t max_tokens, top_k, hidden, ff, num_experts;
     const uint8_t *gate, *up, *down; /* the layer's experts, raw GGUF bytes, as moe_expert_ffn takes them */
+    int64_t strides[3];              /* gate, up, down bytes from one expert to the next (0: contiguous) */
     moe_math math;                   /* biases and activation (all zero: silu without biases) */
     int32_t gate_type, up_type, down_type, num_threads;
     /* written by the task: the last run's error (0 or a MOE_E* code), cumulative counters */
@@ -228,7 +235,8 @@ static int task_pairs(const moe_task *t, int64_t num_tokens, pair_list *pl) {
 }
 
 static int task_layer(moe_task *t, layer *L, int64_t num_tokens) {
-    int err = make_mats(L, t->gate, t->up, t->down, t->gate_type, t->up_type, t->down_type, t->hidden, t->ff);
+    int err = make_mats(L, t->gate, t->up, t->down, t->gate_type, t->up_type, t->down_type, t->hidden, t->ff,
+                        t->strides);
     if (err) return err;
     if (num_tokens < 0 || num_tokens > t->max_tokens || t->top_k <= 0 || t->num_experts <= 0) return MOE_EBADSHAPE;
     pair_list pl;

@@ -38,6 +38,7 @@ typedef struct { /* one layer's experts: [num_experts, rows, cols] */
     const weight_fmt *f;
     const uint8_t *data;
     int64_t rows, cols, row_bytes;
+    int64_t stride; /* bytes from one expert to the next (>= rows * row_bytes: e.g. gate rows of merged gate/up) */
 } expert_mat;
 
 enum { MOE_SILU = 0, MOE_SWIGLU_OAI = 1, MOE_GELU = 2 };
@@ -86,7 +87,7 @@ typedef struct {
 } layer;
 
 MC_INLINE row_span mat_rows(const expert_mat *m, int64_t expert, int64_t r0, int64_t num_rows) {
-    return (row_span){m->data + (expert * m->rows + r0) * m->row_bytes, m->row_bytes, num_rows};
+    return (row_span){m->data + expert * m->stride + r0 * m->row_bytes, m->row_bytes, num_rows};
 }
 
 /* ---- scratch ---- */
