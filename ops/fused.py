@@ -1,5 +1,5 @@
 """The small per-layer operations of the forward pass (RMSNorm with the residual add, q/k norm + rotary
-embedding, router top-k, decode attention), each with its torch reference.
+embedding, router top-k, attention over the KV cache and its write), each with its torch reference.
 
 On CUDA with Triton each is one fused launch (`ops/triton/fused.py`, `ops/triton/attention.py`)
 instead of 5-8 torch ops: a decode step issues a few dozen launches per layer, and at batch 1 their
@@ -16,6 +16,9 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from ops.kv_quant import dense, quantize_rows
+from ops.quants import QType
 
 RopeStyle = Literal["neox", "normal"]
 
@@ -89,33 +92,46 @@ def routed_weights(logits: torch.Tensor, expert_ids: torch.Tensor, norm_topk: bo
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                     positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[n, heads, head_dim]`; caches `[slots, kv_heads, length, head_dim]` (a view of the first
-    `length` positions): token i attends to positions 0..positions[i] of slot slot_ids[i]."""
+                     positions: torch.Tensor, scale: float, k_qtype: QType | None = None,
+                     v_qtype: QType | None = None) -> torch.Tensor:
+    """q `[n, heads, head_dim]`; caches `[slots, kv_heads, length, row]` (a view of the first `length`
+    positions; rows of q's dtype, or uint8 blocks of k_qtype / v_qtype): token i attends to positions
+    0..positions[i] of slot slot_ids[i]."""
     if _fused(q):
         from ops.triton.attention import decode_attention as fused_attention
-        return fused_attention(q, k_cache, v_cache, slot_ids, positions, scale)
-    return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale)
+        return fused_attention(q, k_cache, v_cache, slot_ids, positions, scale, k_qtype=k_qtype, v_qtype=v_qtype)
+    return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale, k_qtype, v_qtype)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, start: int,
+                      scale: float, k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's chunk: q `[n, heads, head_dim]` at positions start..start+n-1 of
+    slot `slot` of one layer's caches `[slots, kv_heads, max_len, row]`; token i attends to 0..start+i."""
+    if _fused(q) and (k_qtype is not None or v_qtype is not None):  # unquantized: SDPA's flash kernels
+        from ops.triton.attention import prefill_attention as fused_prefill
+        return fused_prefill(q, k_cache, v_cache, slot, start, scale, k_qtype, v_qtype)
+    return prefill_attention_sdpa(q, k_cache, v_cache, slot, start, scale, k_qtype, v_qtype)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
-    """k, v `[tokens, kv_heads, head_dim]` into one layer's caches `[slots, kv_heads, max_len, head_dim]`
-    at (slot_ids[i], positions[i])."""
+             k: torch.Tensor, v: torch.Tensor, k_qtype: QType | None = None, v_qtype: QType | None = None) -> None:
+    """k, v `[tokens, kv_heads, head_dim]` into one layer's caches `[slots, kv_heads, max_len, row]` at
+    (slot_ids[i], positions[i]), quantized to k_qtype / v_qtype blocks where given."""
     if _fused(k):
         from ops.triton.attention import write_kv as fused_write_kv
-        fused_write_kv(k_cache, v_cache, slot_ids, positions, k, v)
+        fused_write_kv(k_cache, v_cache, slot_ids, positions, k, v, k_qtype, v_qtype)
     else:
-        write_kv_torch(k_cache, v_cache, slot_ids, positions, k, v)
+        write_kv_torch(k_cache, v_cache, slot_ids, positions, k, v, k_qtype, v_qtype)
 
 
 # --- torch references ------------------------------------------------------------------------------------
 
 
 def write_kv_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
-                   k: torch.Tensor, v: torch.Tensor) -> None:
-    k_cache[slot_ids, :, positions] = k
-    v_cache[slot_ids, :, positions] = v
+                   k: torch.Tensor, v: torch.Tensor, k_qtype: QType | None = None,
+                   v_qtype: QType | None = None) -> None:
+    k_cache[slot_ids, :, positions] = k if k_qtype is None else quantize_rows(k, k_qtype)
+    v_cache[slot_ids, :, positions] = v if v_qtype is None else quantize_rows(v, v_qtype)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -166,9 +182,24 @@ def routed_weights_torch(logits: torch.Tensor, expert_ids: torch.Tensor, norm_to
 
 
 def decode_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                          positions: torch.Tensor, scale: float) -> torch.Tensor:
-    keys, values = k_cache[slot_ids], v_cache[slot_ids]  # [n, kv_heads, length, head_dim]
+                          positions: torch.Tensor, scale: float, k_qtype: QType | None = None,
+                          v_qtype: QType | None = None) -> torch.Tensor:
+    head_dim = q.shape[-1]
+    keys = dense(k_cache[slot_ids], k_qtype, head_dim, q.dtype)  # [n, kv_heads, length, head_dim]
+    values = dense(v_cache[slot_ids], v_qtype, head_dim, q.dtype)
     mask = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out[:, :, 0, :]
+
+
+def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, start: int,
+                           scale: float, k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
+    end, head_dim = start + q.shape[0], q.shape[-1]
+    keys = dense(k_cache[slot, :, :end], k_qtype, head_dim, q.dtype)  # [kv_heads, end, head_dim]
+    values = dense(v_cache[slot, :, :end], v_qtype, head_dim, q.dtype)
+    query_pos = torch.arange(start, end, device=q.device)
+    mask = torch.arange(end, device=q.device)[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                         scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
