@@ -20,7 +20,7 @@ from engine.expert_cache.record import StepRecord
 from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, kv_dims
 from engine.model import Model, SeqSpan
 from engine.moe import Router
 from engine.runner import ModelRunner
@@ -86,9 +86,7 @@ class LLMEngine:
         hp = self.weights.hparams
         max_len = min(config.model.max_context, hp.context_length)
         sched = replace(config.scheduler, max_model_len=max_len)
-        # one slot per sequence, plus a scratch slot for the padding rows of captured batches
-        self.kv = KVCache(hp.num_layers, sched.max_num_seqs + 1, max_len, hp.num_kv_heads, hp.head_dim, dtype,
-                          self.device)
+        self.kv = KVCache(*kv_dims(hp, sched.max_num_seqs, max_len), dtype, self.device, *config.model.kv_types)
         self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages)
         self.scheduler = Scheduler(sched)
         self.cache: ExpertCache = self._build_cache(config.cache)

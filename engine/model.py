@@ -12,7 +12,7 @@ from engine.kv_cache import KVCache
 from engine.layers import swiglu
 from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
 from engine.weights import Attention, DenseFFN, ModelWeights
-from ops.fused import add_rms_norm, decode_attention, qk_norm_rope, rms_norm
+from ops.fused import add_rms_norm, decode_attention, prefill_attention, qk_norm_rope, rms_norm
 
 
 @dataclass(frozen=True)
@@ -131,18 +131,14 @@ class Model:
         return F.linear(out.reshape(n, -1), a.o)
 
     def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        keys, values = kv.window(i, batch.kv_length)  # [slots, kv_heads, kv_length, head_dim] views
-        return decode_attention(q, keys, values, batch.slot_ids, batch.positions, self.scale)
+        keys, values = kv.window(i, batch.kv_length)  # [slots, kv_heads, kv_length, row] views
+        return decode_attention(q, keys, values, batch.slot_ids, batch.positions, self.scale, *kv.qtypes)
 
     def prefill_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         outs, row = [], 0
         for span in batch.spans:
-            keys, values = kv.sequence(i, span.slot, span.end)  # [kv_heads, end, head_dim]
-            q_seq = q[row:row + span.num_tokens].transpose(0, 1)  # [heads, tokens, head_dim]
-            query_pos = torch.arange(span.start, span.end, device=q.device)
-            mask = torch.arange(span.end, device=q.device)[None, :] <= query_pos[:, None]
-            out = F.scaled_dot_product_attention(q_seq[None], keys[None], values[None], attn_mask=mask,
-                                                 scale=self.scale, enable_gqa=True)
-            outs.append(out[0].transpose(0, 1))
+            keys, values = kv.window(i, span.end)  # [slots, kv_heads, end, row] views
+            outs.append(prefill_attention(q[row:row + span.num_tokens], keys, values, span.slot, span.start,
+                                          self.scale, *kv.qtypes))
             row += span.num_tokens
         return torch.cat(outs)
