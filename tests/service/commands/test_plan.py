@@ -67,3 +67,20 @@ def test_table_output_names_the_smallest_budget(qwen3_30b: Path, capsys: pytest.
     assert main(["plan", str(qwen3_30b), "--mib", "1000"]) == 0
     out = capsys.readouterr().out
     assert "smallest useful cache 21 MiB" in out and "0-47" in out
+    # 48 layers x 33 slots (32 sequences + the scratch slot) x 4096 positions x 4 kv heads x 2 x 256 bytes
+    assert "KV cache: 12672 MiB (K bf16, V bf16; 32 sequences of 4096 positions)" in out
+
+
+def test_kv_cache_counts_the_bytes_of_its_types(qwen3_30b: Path, capsys: pytest.CaptureFixture) -> None:
+    one_long = ("--mib", "1000", "-c", "32768", "--max-num-seqs", "1")
+    runs = {types: plan_json(capsys, str(qwen3_30b), *one_long, "-ctk", types[0], "-ctv", types[1])
+            for types in (("bf16", "bf16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q4_0"))}
+    rows = 48 * 2 * 32768 * 4  # layers, slots (the sequence and the scratch slot), positions, kv heads
+    row_bytes = {"bf16": 256, "q8_0": 4 * 34, "q4_0": 4 * 18}  # one head's 128 values
+    for (k_type, v_type), out in runs.items():
+        assert out["kv_cache"] == {"bytes": rows * (row_bytes[k_type] + row_bytes[v_type]), "k_type": k_type,
+                                   "v_type": v_type, "positions": 32768, "sequences": 1}
+        plan = out["plans"][0]
+        assert plan["device_bytes"] == plan["cache_bytes"] + out["kv_cache"]["bytes"]
+    both = plan_json(capsys, str(qwen3_30b), *one_long, "--kv-cache-dtype", "q8_0")
+    assert both["kv_cache"] == runs[("q8_0", "q8_0")]["kv_cache"]
