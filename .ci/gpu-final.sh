@@ -2,10 +2,11 @@
 # The H200 lease of docs/benchmarks.md ("The cached decode step and CPU-computed misses"), device calls back
 # to back on one machine:
 #   1: llama.cpp's CUDA build started in the background; the gpu tests of the cache's device path; resident
-#      and cached (stream) at batch 1 and 8 after a 400-token warm-up, while the build runs;
-#   2: after the build: llama.cpp's rows on the same file, then the three miss modes at 0, 25 and 50% with
-#      every core free;
-#   3: (device time left) the miss modes on a 16 GB/s link (`--link-gbps`); small budgets against no cache.
+#      and cached (stream) at batch 1 after a 400-token warm-up, then batch 8 at 50%, while the build runs;
+#   2: after the build: llama.cpp's rows on the same file, then the three miss modes at 0 and 25% and hybrid
+#      at 50% (stream's is part 1's) with every core free;
+#   3: (device time left) the miss modes on a 16 GB/s link (`--link-gbps`); small budgets against no cache;
+#      the step profile of hybrid and stream at 25%.
 # Usage: .ci/gpu-final.sh 1 | 2 | 3
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,8 +19,9 @@ case "$1" in
   bash .device/h200-llamacpp.sh build
   BUDGET_S=100 TESTS="tests/ops/test_cache_step.py tests/ops/test_triton_stage.py tests/engine/test_gpu_engine.py" \
     TESTS_S=95 bash .ci/gpu-check tests
-  BUDGET_S=210 HEADLINE_S=205 HEADLINE_FRACS=0.25,0.5,1 \
+  BUDGET_S=150 HEADLINE_S=145 HEADLINE_FRACS=0.25,0.5,1 HEADLINE_BATCHES=1 \
     HEADLINE_EXTRA="--cache-profile $PROFILE --warmup-gen-len 400" bash .ci/gpu-check headline
+  BUDGET_S=60 BATCH8_S=55 bash .ci/gpu-check batch8
   ;;
 2)
   grep -q "BUILD_DONE" /tmp/llamacpp/build.log 2>/dev/null || echo "llama.cpp still building"
@@ -28,12 +30,17 @@ case "$1" in
   timeout 60 /tmp/llamacpp/llama.cpp/build/bin/llama-batched-bench -m /tmp/qwen3moe-30b-a3b.gguf -fa on \
     -t "$(nproc)" -c 8192 -b 2048 -ub 512 -npp 128 -ntg 64 -npl 8 -ngl 99 -ncmoe 24 2>&1 | grep -E "^\||error" \
     | tee -a "$LOGS/llamacpp.log"
-  BUDGET_S=215 CACHED_S=210 CACHED_NAME=cpumodes CACHED_FRACS=0,0.25,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
+  BUDGET_S=140 CACHED_S=135 CACHED_NAME=cpumodes CACHED_FRACS=0,0.25 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 200 --gen-len 32 --repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
+  BUDGET_S=35 CACHED_S=30 CACHED_NAME=hybrid50 CACHED_FRACS=0.5 CACHED_POLICIES=lru CACHED_MODES=hybrid \
+    CACHED_EXTRA="--warmup-gen-len 400 --gen-len 32 --repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   ;;
 3)
   BUDGET_S=80 CACHED_S=75 CACHED_NAME=link16 CACHED_FRACS=0,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 100 --gen-len 24 --repeats 1 --link-gbps 16" bash .ci/gpu-check cached
   BUDGET_S=200 SMALL_S=195 bash .ci/gpu-check small
+  PYTHONPATH=/tmp/site:$PWD timeout 90 python3 .ci/gpu-step-profile.py /tmp/qwen3moe-30b-a3b.gguf --steps 16 \
+    --warmup 200 --config "hybrid 25%=cpumoe,budget=0.25,policy=lru,miss=hybrid" \
+    --config "stream 25%=cpumoe,budget=0.25,policy=lru,miss=stream" 2>&1 | tee "$LOGS/profile.log" | tail -40
   ;;
 esac

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
 Load = Callable[[EngineConfig, Progress | None], LLMEngine]  # how the engine thread builds the engine
 ABORT_GRACE_S = 10.0  # aborts land within one step; this only bounds a wedged device
+CACHE_PUBLISH_S = 0.1  # the cache's figures and usage map, copied at most this often while busy (readers: 0.5 s)
 
 
 class EngineUnavailableError(RuntimeError):
@@ -135,7 +136,9 @@ class _Timer:
 
 class RequestStream:
     """Outputs of a group of requests (the choices of one API call) in step order; an async iterator
-    that ends when every request finished and raises what the engine sent as an error."""
+    that ends when every request finished and raises what the engine sent as an error. What arrived while
+    the consumer was busy comes as one output per request, so a slow consumer does less work per token,
+    not more."""
 
     def __init__(self, requests: Sequence[Request], arrival: float) -> None:
         self.request_ids = tuple(r.request_id for r in requests)
@@ -144,6 +147,7 @@ class RequestStream:
         self._timers = {r.request_id: _Timer(r.arrival_time or arrival) for r in requests}
         self._undelivered = set(self.request_ids)  # not yet finished on the engine side
         self._unread = set(self.request_ids)  # not yet finished on the consumer side
+        self._ready: deque[RequestOutput | BaseException] = deque()  # taken from the queue, not yet read
 
     @property
     def is_finished(self) -> bool:
@@ -159,9 +163,14 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if not self._unread:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        if not self._ready:
+            # NOTE: a consumer that fell behind gets what queued up meanwhile as one output per request
+            first = await self._queue.get()
+            self._ready.extend(coalesce([first, *(self._queue.get_nowait() for _ in range(self._queue.qsize()))]))
+        item = self._ready.popleft()
         if isinstance(item, BaseException):
             self._unread.clear()
+            self._ready.clear()
             raise item
         if item.finished:
             self._unread.discard(item.request_id)
@@ -189,6 +198,18 @@ class RequestStream:
             self._queue.put_nowait(error)
 
 
+def coalesce(items: Sequence[RequestOutput | BaseException]) -> list[RequestOutput | BaseException]:
+    """Outputs of several steps as one per request, in the order of each request's first; an error last
+    (nothing follows it)."""
+    merged: dict[str, RequestOutput] = {}
+    for item in items:
+        if isinstance(item, BaseException):
+            return [*merged.values(), item]
+        earlier = merged.get(item.request_id)
+        merged[item.request_id] = item if earlier is None else earlier.then(item)
+    return list(merged.values())
+
+
 class AsyncEngine:
     """Runs an LLMEngine in its own thread and serves many concurrent requests from asyncio. The thread
     builds it with `load(config, progress)`, or serves the already loaded `engine`."""
@@ -204,6 +225,7 @@ class AsyncEngine:
         self._inbox = _Inbox()
         self._streams: dict[str, RequestStream] = {}  # request id -> its group's stream (loop side)
         self._snapshot = EngineSnapshot()
+        self._cache_published = 0.0  # perf_counter time of the last snapshot of the cache (engine thread)
         self._is_ready = self._is_dead = self._is_draining = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -446,8 +468,10 @@ class AsyncEngine:
             # 4. queue time ends for requests that got a KV slot in this step
             events.scheduled = [i for i in waiting if _has_slot(llm, i)]
             waiting.difference_update(events.scheduled)
-            # 5. publish stats, then hand admissions and outputs to the event loop in one call
-            self._publish_stats(llm)
+            # 5. publish stats (the cache's at most every CACHE_PUBLISH_S and when idle), then hand admissions
+            #    and outputs to the event loop in one call
+            self._publish_stats(llm, with_cache=not llm.has_unfinished()
+                                or events.ready_at - self._cache_published >= CACHE_PUBLISH_S)
             self._post(self._deliver, events)
 
     def _apply(self, llm: LLMEngine, commands: list[_Command], events: _Events, waiting: set[str]) -> bool:
@@ -462,9 +486,13 @@ class AsyncEngine:
                 events.outputs += [out for i in command.request_ids if (out := llm.abort(i)) is not None]
         return True
 
-    def _publish_stats(self, llm: LLMEngine) -> None:
+    def _publish_stats(self, llm: LLMEngine, with_cache: bool = True) -> None:
+        if not with_cache:
+            self._snapshot = replace(self._snapshot, stats=llm.stats())
+            return
         usage, where = llm.cache.usage_snapshot()  # copies: the next step may change the cache's own arrays
         self._snapshot = EngineSnapshot(llm.stats(), llm.cache.snapshot(), usage, where)
+        self._cache_published = time.perf_counter()
 
     def _close(self, llm: LLMEngine) -> None:
         try:

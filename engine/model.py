@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
+from engine.arch import deepseek2, gemma4
+from engine.arch.base import YaRN
+from engine.arch.deepseek2 import MLAttention
+from engine.arch.gemma4 import GemmaAttention
 from engine.kv_cache import KVCache
 from engine.layers import swiglu
 from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
-from engine.weights import Attention, DenseFFN, ModelWeights
+from engine.weights import Attention, DenseFFN, Layer, ModelWeights, MoE
 from ops.fused import add_rms_norm, decode_attention, prefill_attention, qk_norm_rope, rms_norm
 
 
@@ -61,19 +67,40 @@ class ForwardBatch:
         return all(s.num_tokens == 1 for s in self.spans)
 
 
-def rope_frequencies(head_dim: int, theta: float, scale: float, device: torch.device) -> torch.Tensor:
-    """Rotary inverse frequencies `[head_dim / 2]` (float32), linear position scaling folded in."""
+def rope_frequencies(head_dim: int, theta: float, scale: float, device: torch.device,
+                     yarn: YaRN | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies `[head_dim / 2]` (float32), linear position scaling or YaRN folded in."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta ** exponents) / scale
+    inv_freq = 1.0 / (theta ** exponents)
+    if yarn is None:
+        return inv_freq / scale
+    # YaRN: the low frequencies interpolated (divided by the factor), the high ones kept, a linear ramp
+    # between the dimensions that turn beta_slow and beta_fast times over the original context
+    low, high = (head_dim * math.log(yarn.orig_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+                 for turns in (yarn.beta_fast, yarn.beta_slow))
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device=device)
+    kept = 1 - ((dims - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / yarn.factor * (1 - kept) + inv_freq * kept
 
 
 class Model:
     def __init__(self, weights: ModelWeights, experts: ExpertExecutor, router: Router | None = None) -> None:
         self.w, self.hp, self.arch, self.experts = weights, weights.hparams, weights.arch, experts
-        self.router: Router = router or TopKRouter(self.hp.top_k, self.hp.norm_topk)
-        hp = self.hp
-        self.inv_freq = rope_frequencies(hp.head_dim, hp.rope_theta, hp.rope_scale, weights.embed.device)
-        self.scale = hp.head_dim ** -0.5
+        self.router: Router = router or TopKRouter.of(weights)
+        hp, device = self.hp, weights.embed.device
+        self.inv_freq = rope_frequencies(hp.rope_dim, hp.rope_theta, hp.rope_scale, device, hp.yarn)
+        if weights.rope_factors is not None:  # Gemma 4's proportional rope on its full-attention layers
+            self.inv_freq = self.inv_freq / weights.rope_factors.to(device)
+        # sliding-window layers of another head size or rope base have their own frequencies
+        self.swa_inv_freq = rope_frequencies(hp.swa_head_dim or hp.rope_dim, hp.swa_rope_theta or hp.rope_theta,
+                                             hp.rope_scale, device, hp.yarn)
+        # YaRN's cos/sin magnitude on both q and k: squared into the scores' rotary part
+        self.rope_gain = hp.yarn.attn_factor ** 2 if hp.yarn is not None else 1.0
+        self.scale = deepseek2.softmax_scale(hp) if hp.mla else \
+            (self.arch.qk_scale or hp.head_dim ** -0.5) * self.rope_gain
 
     @property
     def device(self) -> torch.device:
@@ -89,6 +116,8 @@ class Model:
         `[rows, vocab]`."""
         eps, layers = self.hp.rms_eps, self.w.layers
         x = self.w.embed[batch.input_ids]  # [tokens, hidden]
+        if layers[0].sandwich is not None:
+            return self.forward_sandwich(x, batch, kv)
         h = rms_norm(x, layers[0].attn_norm, eps)
         moe_index = 0
         for i, layer in enumerate(layers):
@@ -103,10 +132,50 @@ class Model:
                 x, h = add_rms_norm(x, out, layers[i + 1].attn_norm, eps)
             else:
                 x = x + out
-        x = rms_norm(x[batch.logit_rows], self.w.norm, eps)
-        return F.linear(x, self.w.output).float()
+        return self.logits(x[batch.logit_rows])
 
-    def attention(self, i: int, a: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(rms_norm(x, self.w.norm, self.hp.rms_eps), self.w.output).float()
+        cap = self.hp.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+    def forward_sandwich(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Gemma 4: scaled embeddings, every block normed before and after (`engine.arch.gemma4`)."""
+        eps, moe_index = self.hp.rms_eps, 0
+        x = x * self.hp.hidden ** 0.5
+        for i, layer in enumerate(self.w.layers):
+            s = layer.sandwich
+            assert s is not None, "every layer of a sandwich-normed model has its norms"
+            x = x + rms_norm(self.attention(i, layer.attn, rms_norm(x, layer.attn_norm, eps), batch, kv),
+                             s.post_attn_norm, eps)
+            x = gemma4.ffn_block(x, layer.ffn_norm, layer.ffn, s, eps, self.experts_of(moe_index, i, layer, batch))
+            moe_index += isinstance(layer.ffn, MoE)
+        return self.logits(x[batch.logit_rows])
+
+    def experts_of(self, moe_index: int, i: int, layer: Layer,
+                   batch: ForwardBatch) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A sandwich layer's routed experts on the residual stream (None for a dense layer)."""
+        w, s, eps = layer.ffn, layer.sandwich, self.hp.rms_eps
+        if not isinstance(w, MoE):
+            return None
+        assert s is not None and s.pre_experts_norm is not None and w.router_norm is not None
+        norm, router_norm = s.pre_experts_norm, w.router_norm
+        return lambda x: moe_forward(moe_index, i, rms_norm(x, norm, eps), w, self.router, self.experts,
+                                     batch.token_mask, router_x=rms_norm(x, router_norm, eps))
+
+    def attention(self, i: int, a: Attention | MLAttention | GemmaAttention, x: torch.Tensor, batch: ForwardBatch,
+                  kv: KVCache) -> torch.Tensor:
+        if isinstance(a, GemmaAttention):
+            inv_freq = self.swa_inv_freq if self.hp.is_sliding(i) else self.inv_freq
+            q, k, v = gemma4.project(a, x, batch.positions, inv_freq, self.hp.rms_eps)
+            if k is not None:
+                kv.write(i, batch.slot_ids, batch.positions, k, v)
+            # NOTE: a shared-KV layer reads the cache of a layer of its kind: the same window
+            return F.linear(self.attend(self.hp.kv_layer(i), q, batch, kv, None).reshape(x.shape[0], -1), a.o)
+        if isinstance(a, MLAttention):
+            q, latent = deepseek2.project_qk(a, self.hp, x, batch.positions, self.inv_freq, self.rope_gain)
+            kv.write(i, batch.slot_ids, batch.positions, latent, None)
+            return deepseek2.project_out(a, self.attend(i, q, batch, kv, None))
         hp, n = self.hp, x.shape[0]
         qkv = F.linear(x, a.qkv, a.qkv_bias)
         style, positions, eps = self.arch.rope_style, batch.positions, hp.rms_eps
@@ -126,19 +195,29 @@ class Model:
             v = a.split(qkv)[2]
         v = v.view(n, hp.num_kv_heads, hp.head_dim)
         kv.write(i, batch.slot_ids, batch.positions, k, v)
-        attend = self.decode_attention if batch.is_decode else self.prefill_attention
-        out = attend(i, q, batch, kv)  # [tokens, heads, head_dim]
-        return F.linear(out.reshape(n, -1), a.o)
+        return F.linear(self.attend(i, q, batch, kv, a.sinks).reshape(n, -1), a.o, a.o_bias)
 
-    def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+        """q `[tokens, heads, head_dim]` over the cached keys and values (the layer's window of them) ->
+        `[tokens, heads, value dim]`."""
+        if batch.is_decode:
+            return self.decode_attention(i, q, batch, kv, sinks)
+        return self.prefill_attention(i, q, batch, kv, sinks)
+
+    def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                         sinks: torch.Tensor | None) -> torch.Tensor:
         keys, values = kv.window(i, batch.kv_length)  # [slots, kv_heads, kv_length, row] views
-        return decode_attention(q, keys, values, batch.slot_ids, batch.positions, self.scale, *kv.qtypes)
+        return decode_attention(q, keys, values, batch.slot_ids, batch.positions, self.scale, self.hp.window(i),
+                                sinks, k_qtype=kv.k_qtype, v_qtype=kv.v_qtype)
 
-    def prefill_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def prefill_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                          sinks: torch.Tensor | None) -> torch.Tensor:
         outs, row = [], 0
         for span in batch.spans:
             keys, values = kv.window(i, span.end)  # [slots, kv_heads, end, row] views
             outs.append(prefill_attention(q[row:row + span.num_tokens], keys, values, span.slot, span.start,
-                                          self.scale, *kv.qtypes))
+                                          self.scale, self.hp.window(i), sinks, k_qtype=kv.k_qtype,
+                                          v_qtype=kv.v_qtype))
             row += span.num_tokens
         return torch.cat(outs)

@@ -10,9 +10,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.arch.base import Routing
 from engine.layers import swiglu
-from engine.weights import MoE
-from ops.fused import route_topk
+from engine.weights import ModelWeights, MoE
+from ops.fused import route_topk, route_topk_scored, routed_weights, routed_weights_scored
 
 
 class Router(Protocol):
@@ -40,14 +41,37 @@ class Router(Protocol):
 
 @dataclass(frozen=True)
 class TopKRouter:
-    """The model's router: softmax over the experts, top-k, optionally renormalised."""
+    """The model's router: scores over the experts (softmax, or DeepSeek-V3's sigmoid), top-k (within the
+    best groups of experts, chosen on the scores plus the layer's correction bias where the model has
+    them), optionally renormalised, scaled. Plain softmax top-k runs the fused router."""
 
     top_k: int
     norm_topk: bool
+    routing: Routing = Routing()
+    score_bias: tuple[torch.Tensor | None, ...] = ()  # per MoE layer: float32 [experts] or None
+
+    @classmethod
+    def of(cls, weights: ModelWeights) -> TopKRouter:
+        hp = weights.hparams
+        biases = tuple(layer.ffn.score_bias for layer in weights.layers if isinstance(layer.ffn, MoE))
+        return cls(hp.top_k, hp.norm_topk, hp.routing, biases if any(b is not None for b in biases) else ())
 
     def __call__(self, moe_index: int, logits: torch.Tensor,
                  token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return route_topk(logits, self.top_k, self.norm_topk, token_mask)
+        r, bias = self.routing, self.score_bias[moe_index] if self.score_bias else None
+        if r.is_plain and bias is None:
+            return route_topk(logits, self.top_k, self.norm_topk, token_mask)
+        return route_topk_scored(logits, self.top_k, self.norm_topk, token_mask, sigmoid=r.gating == "sigmoid",
+                                 score_bias=bias, num_groups=r.num_groups, topk_groups=r.topk_groups,
+                                 group_by_max=r.group_score == "max", scale=r.scale)
+
+    def weights_at(self, logits: torch.Tensor, expert_ids: torch.Tensor,
+                   token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights this router gives other ids (a routing trace's): `routed_weights`' contract."""
+        if self.routing.is_plain:
+            return routed_weights(logits, expert_ids, self.norm_topk, token_mask)
+        return routed_weights_scored(logits, expert_ids, self.norm_topk, token_mask,
+                                     sigmoid=self.routing.gating == "sigmoid", scale=self.routing.scale)
 
     def begin_step(self, token_keys: Sequence[Hashable]) -> None:
         pass
@@ -67,16 +91,20 @@ class ExpertExecutor(Protocol):
 
 
 def moe_forward(moe_index: int, layer: int, x: torch.Tensor, w: MoE, router: Router, experts: ExpertExecutor,
-                token_mask: torch.Tensor | None = None) -> torch.Tensor:
-    logits = F.linear(x, w.router)  # [tokens, experts]
+                token_mask: torch.Tensor | None = None, router_x: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[tokens, hidden]` -> `[tokens, hidden]`; router_x: what the router reads where it is not x."""
+    logits = F.linear(x if router_x is None else router_x, w.router, w.router_bias)  # [tokens, experts]
     # NOTE: padding rows of a captured batch (token_mask False) select no expert (id -1)
     expert_ids, weights = router(moe_index, logits, token_mask)
+    if w.expert_scale is not None:
+        weights = weights * w.expert_scale[expert_ids.clamp(min=0)]
     out = experts(layer, x, expert_ids, weights)
-    if w.shared is not None:
-        assert w.shared_gate is not None, "a shared expert comes with its gate"
-        gate = torch.sigmoid(x @ w.shared_gate)[:, None]  # [tokens, 1]
-        out = out + gate * swiglu(x, w.shared)
-    return out
+    if w.shared is None:
+        return out
+    shared = swiglu(x, w.shared)
+    if w.shared_gate is not None:
+        shared = torch.sigmoid(x @ w.shared_gate)[:, None] * shared  # [tokens, 1] gate
+    return out + shared
 
 
 def flatten_pairs(expert_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -85,6 +85,16 @@ class ModelRunner:
         self.experts.replayed(n, size)
         return g.logits[:n]
 
+    def capture_all(self) -> int:
+        """Capture the graph of every padded batch size and KV bucket now, so that no request pays a capture;
+        returns how many there are (0 where steps are not captured)."""
+        if not self.use_graphs or not self.experts.is_graph_safe:
+            return 0
+        for size in self.sizes:
+            for length in self.buckets:
+                self._graph(size, length)
+        return len(self.graphs)
+
     def _graph(self, size: int, length: int) -> _Graph:
         if (size, length) not in self.graphs:
             self.graphs[(size, length)] = self._capture(size, length)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -120,3 +120,9 @@ class RequestOutput:
     error: str | None = None
     # in the first output of a request that asked: one per prompt token, None for the first (no context)
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next one of the same request as one increment."""
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                       new_text=self.new_text + later.new_text, logprobs=self.logprobs + later.logprobs,
+                       prompt_logprobs=self.prompt_logprobs + later.prompt_logprobs, error=later.error or self.error)

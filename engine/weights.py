@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from engine.arch import ArchSpec, HParams, get_arch
+from engine.arch import ArchSpec, HParams, deepseek2, gemma4, get_arch
 from engine.arch.base import GLOBAL_TENSORS, layer_tensor
+from engine.arch.deepseek2 import MLAttention
+from engine.arch.gemma4 import GemmaAttention, Sandwich
 from engine.gguf.reader import GGUFError, GGUFFile, TensorInfo
-from ops.bank import ExpertWeights
+from ops.bank import ExpertWeights, split_gate_up
 from ops.quants import dequantize, format_of
 
 
@@ -31,6 +33,8 @@ class Attention:
     qkv_bias: torch.Tensor | None = None  # q, k, v biases stacked (zeros where one has none)
     q_norm: torch.Tensor | None = None  # [head_dim] or [heads * head_dim]
     k_norm: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None  # [hidden]
+    sinks: torch.Tensor | None = None  # float32 [heads]: each head's learned sink logit (gpt-oss)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`[tokens, qkv rows]` -> q, k, v (views)."""
@@ -42,17 +46,22 @@ class Attention:
 @dataclass(frozen=True)
 class MoE:
     router: torch.Tensor  # [experts, hidden]
-    experts: ExpertWeights  # raw GGUF bytes, host memory map
-    shared: DenseFFN | None = None
+    experts: ExpertWeights  # raw GGUF bytes, host memory map; their math (biases, activation) beside them
+    shared: DenseFFN | None = None  # always added, or scaled by sigmoid(x . shared_gate) where it has one
     shared_gate: torch.Tensor | None = None  # [hidden]
+    score_bias: torch.Tensor | None = None  # float32 [experts]: added to the scores for choosing (DeepSeek-V3)
+    router_bias: torch.Tensor | None = None  # [experts]: added to the router logits (gpt-oss)
+    expert_scale: torch.Tensor | None = None  # float32 [experts]: multiplies each expert's weight (Gemma 4)
+    router_norm: torch.Tensor | None = None  # [hidden]: the router reads rms_norm(residual) with it (Gemma 4)
 
 
 @dataclass(frozen=True)
 class Layer:
     attn_norm: torch.Tensor
-    attn: Attention
+    attn: Attention | MLAttention | GemmaAttention
     ffn_norm: torch.Tensor
     ffn: DenseFFN | MoE
+    sandwich: Sandwich | None = None  # Gemma 4's norms after each block, dense MLP beside the experts, scale
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class ModelWeights:
     norm: torch.Tensor
     output: torch.Tensor  # [vocab, hidden]; the embedding when tied
     layers: tuple[Layer, ...]
+    rope_factors: torch.Tensor | None = None  # float32 [head_dim / 2]: full-attention layers' frequency divisors
 
     @property
     def moe_layers(self) -> list[int]:
@@ -98,13 +108,20 @@ class WeightLoader:
             self.progress(info.num_bytes)
         return info
 
-    def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         info = self.tensor(name, shape)
         values = dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape)
-        return values.to(self.device, self.dtype)
+        return values.to(self.device, dtype or self.dtype)
 
-    def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        return self.dense(name, shape) if self.gguf.has(name) else None
+    def optional(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        return self.dense(name, shape, dtype) if self.gguf.has(name) else None
+
+    def has(self, name: str) -> bool:
+        return self.gguf.has(name)
+
+    def host(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        info = self.tensor(name, shape)
+        return dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape).clone()
 
     def load(self) -> ModelWeights:
         hp, g = self.hp, GLOBAL_TENSORS
@@ -112,13 +129,25 @@ class WeightLoader:
         output = self.optional(g["output"], (hp.vocab_size, hp.hidden))
         layers = tuple(self.layer(i) for i in range(hp.num_layers))
         norm = self.dense(g["norm"], (hp.hidden,))
-        return ModelWeights(hp, self.arch, embed, norm, embed if output is None else output, layers)
+        factors = self.optional(g["rope_freqs"], (hp.rope_dim // 2,), torch.float32)
+        return ModelWeights(hp, self.arch, embed, norm, embed if output is None else output, layers, factors)
 
     def layer(self, i: int) -> Layer:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
+        if self.arch is gemma4.ARCH:
+            return self.gemma_layer(i)
         ffn = self.moe(i) if self.gguf.has(t("router")) else self.dense_ffn(i, "gate", "up", "down", hp.dense_ff)
-        return Layer(self.dense(t("attn_norm"), (hp.hidden,)), self.attention(i),
-                     self.dense(t("ffn_norm"), (hp.hidden,)), ffn)
+        attn = deepseek2.load_attention(self, i, hp) if hp.mla else self.attention(i)
+        return Layer(self.dense(t("attn_norm"), (hp.hidden,)), attn, self.dense(t(self.arch.ffn_norm), (hp.hidden,)),
+                     ffn)
+
+    def gemma_layer(self, i: int) -> Layer:
+        hp, t = self.hp, lambda role: layer_tensor(i, role)
+        is_moe = self.gguf.has(t("router"))
+        ffn: DenseFFN | MoE = replace(self.moe(i), router_norm=gemma4.router_norm(self, i, hp)) if is_moe else \
+            self.dense_ffn(i, "gate", "up", "down", hp.dense_ff)
+        return Layer(self.dense(t("attn_norm"), (hp.hidden,)), gemma4.load_attention(self, i, hp),
+                     self.dense(t("ffn_norm"), (hp.hidden,)), ffn, gemma4.load_sandwich(self, i, hp, is_moe))
 
     def attention(self, i: int) -> Attention:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
@@ -135,6 +164,8 @@ class WeightLoader:
             qkv=torch.cat(weights), o=self.dense(t("o"), (hp.hidden, q_dim)), q_dim=q_dim, qkv_bias=bias,
             q_norm=self.dense(t("q_norm"), (norm_dim,)) if norm_dim else None,
             k_norm=self.dense(t("k_norm"), (k_norm_dim,)) if norm_dim else None,
+            o_bias=self.optional(t("o_bias"), (hp.hidden,)),
+            sinks=self.optional(t("sinks"), (hp.num_heads,), torch.float32),
         )
 
     def dense_ffn(self, i: int, gate: str, up: str, down: str, ff: int) -> DenseFFN:
@@ -147,18 +178,27 @@ class WeightLoader:
     def moe(self, i: int) -> MoE:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
         shared = shared_gate = None
-        if self.arch.shared_expert:
+        if self.gguf.has(t("gate_shexp")):
             shared = self.dense_ffn(i, "gate_shexp", "up_shexp", "down_shexp", hp.shared_ff)
-            shared_gate = self.dense(t("shared_gate_inp"), (hp.hidden,))
-        return MoE(self.dense(t("router"), (hp.num_experts, hp.hidden)), self.experts(i), shared, shared_gate)
+            shared_gate = self.optional(t("shared_gate_inp"), (hp.hidden,))
+        return MoE(self.dense(t("router"), (hp.num_experts, hp.hidden)), self.experts(i), shared, shared_gate,
+                   self.optional(t("score_bias"), (hp.num_experts,), torch.float32),
+                   self.optional(t("router_bias"), (hp.num_experts,)),
+                   self.optional(t("down_exps_scale"), (hp.num_experts,), torch.float32))
 
     def experts(self, i: int) -> ExpertWeights:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
-        gate = self.tensor(t("gate_exps"), (hp.num_experts, hp.expert_ff, hp.hidden))
-        up = self.tensor(t("up_exps"), (hp.num_experts, hp.expert_ff, hp.hidden))
-        down = self.tensor(t("down_exps"), (hp.num_experts, hp.hidden, hp.expert_ff))
-        return ExpertWeights(host_bytes(gate), host_bytes(up), host_bytes(down),
-                             gate.qtype, up.qtype, down.qtype, hp.hidden, hp.expert_ff)
+        e, ff = hp.num_experts, hp.expert_ff
+        if self.gguf.has(t("gate_up_exps")):  # merged: gate and up are views of one tensor's bytes
+            gate_up = self.tensor(t("gate_up_exps"), (e, 2 * ff, hp.hidden))
+            gate, up = split_gate_up(host_bytes(gate_up))
+            gate_type = up_type = gate_up.qtype
+        else:
+            gate_info, up_info = (self.tensor(t(role), (e, ff, hp.hidden)) for role in ("gate_exps", "up_exps"))
+            gate, up, gate_type, up_type = host_bytes(gate_info), host_bytes(up_info), gate_info.qtype, up_info.qtype
+        down = self.tensor(t("down_exps"), (e, hp.hidden, ff))
+        return ExpertWeights(gate, up, host_bytes(down), gate_type, up_type, down.qtype, hp.hidden, ff,
+                             self.arch.expert_math(self, i, hp))
 
 
 def load_weights(gguf: GGUFFile, device: torch.device, dtype: torch.dtype,

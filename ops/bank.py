@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
+from ops.expert_math import PLAIN, ExpertMath
 from ops.quants import QType
 
 
@@ -31,9 +32,17 @@ def expert_bytes(gate_type: QType, up_type: QType, down_type: QType, hidden: int
     return ff * (row_bytes(gate_type, hidden) + row_bytes(up_type, hidden)) + hidden * row_bytes(down_type, ff)
 
 
+def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merged gate/up experts `[experts, 2 * ff, row bytes]` (GGUF's `ffn_gate_up_exps`: gate rows first) ->
+    gate and up views `[experts, ff, row bytes]`, nothing copied."""
+    ff = gate_up.shape[1] // 2
+    return gate_up[:, :ff], gate_up[:, ff:]
+
+
 @dataclass(frozen=True)
 class ExpertWeights:
-    """A bank of routed experts as raw GGUF bytes (contiguous uint8), first dimension = expert or slot."""
+    """A bank of routed experts as raw GGUF bytes (uint8), first dimension = expert or slot. Each expert's
+    matrix is contiguous; experts may lie further apart (gate and up as views of merged gate/up experts)."""
 
     gate: torch.Tensor  # [num_experts, ff, row_bytes(gate_type, hidden)]
     up: torch.Tensor  # [num_experts, ff, row_bytes(up_type, hidden)]
@@ -43,6 +52,7 @@ class ExpertWeights:
     down_type: QType
     hidden: int
     ff: int
+    math: ExpertMath = PLAIN  # biases (indexed by the bank's rows) and activation: ops/expert_math.py
 
     def __post_init__(self) -> None:
         for name in ("gate_type", "up_type", "down_type"):
@@ -54,10 +64,15 @@ class ExpertWeights:
 
     @staticmethod
     def _check(name: str, t: torch.Tensor, shape: tuple[int, int, int]) -> None:
-        if t.dtype != torch.uint8 or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous uint8 bytes, got {t.dtype} on {t.device}")
         if tuple(t.shape) != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        if t.dtype != torch.uint8 or not t[0].is_contiguous() or (t.shape[0] > 1 and t.stride(0) < t[0].numel()):
+            raise ValueError(f"{name}: expected uint8 bytes, each expert contiguous, got {t.dtype} on {t.device}")
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Every matrix one contiguous block (what the native CPU kernel reads)."""
+        return all(t.is_contiguous() for t in (self.gate, self.up, self.down))
 
     @property
     def num_experts(self) -> int:
@@ -82,19 +97,23 @@ SCALE_FIELDS: dict[QType, tuple[int, ...]] = {
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
 }
+# byte offsets of the e8m0 exponent fields (w = 2**(e - 128) * code) in one block of each format
+E8M0_FIELDS: dict[QType, tuple[int, ...]] = {QType.MXFP4: (0,)}
 _FLOAT_DTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 
 
 def random_rows(rng: np.random.Generator, num_rows: tuple[int, int], num_cols: int, qtype: QType) -> torch.Tensor:
-    """Valid random bytes uint8 [*num_rows, row_bytes]: random blocks with small finite fp16 scales."""
+    """Valid random bytes uint8 [*num_rows, row_bytes]: random blocks with small finite scales."""
     if qtype in _FLOAT_DTYPES:
         values = torch.from_numpy(rng.standard_normal((*num_rows, num_cols), dtype=np.float32) * 0.05)
         return values.to(_FLOAT_DTYPES[qtype]).view(torch.uint8).contiguous()
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (*num_rows, num_cols // block_size, type_size), dtype=np.uint8)
-    for offset in SCALE_FIELDS[qtype]:
+    for offset in SCALE_FIELDS.get(qtype, ()):
         scales = rng.uniform(1e-4, 1e-3, blocks.shape[:-1]).astype(np.float16)
         blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:-1], 2)
+    for offset in E8M0_FIELDS.get(qtype, ()):
+        blocks[..., offset] = rng.integers(119, 123, blocks.shape[:-1])  # 2**-9 .. 2**-6 times codes <= 12
     return torch.from_numpy(blocks.reshape(*num_rows, -1))
 
 

@@ -1,11 +1,12 @@
 """Routed-expert FFN of one MoE layer computed on the CPU from raw GGUF bytes.
 
-`expert_ffn_cpu` runs the C kernel of `ops/csrc/cpu_experts.c` (Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16,
+`expert_ffn_cpu` runs the C kernel of `ops/csrc/cpu_experts.c` (Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, F16, BF16,
 F32; AVX-512 VNNI, AVX2 or portable C, picked at compile time) in one call per layer, and falls back
 to torch (row tiles dequantized with `ops.quants`) for other types or when no C compiler is present.
 The kernel runs on a persistent native worker pool (`NativeExperts.start_pool`) with the calling thread.
-`ExpertTask` is the same computation as a native task a CUDA graph's host node runs (`cuLaunchHostFunc`
-with `ExpertTask.function_address` and `ExpertTask.address`): no Python and no GIL on that path.
+The kernel computes the bank's `ExpertMath` (biases by expert id; silu, gpt-oss's clamped SwiGLU or the
+tanh GELU). `ExpertTask` is the same computation as a native task a CUDA graph's host node runs
+(`cuLaunchHostFunc` with `ExpertTask.function_address` and `ExpertTask.address`): no Python and no GIL on that path.
 `ops.expert_ffn.expert_ffn_reference` is the slow, obviously-correct twin the tests check it against.
 """
 
@@ -16,11 +17,11 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from ops import native, quants
 from ops.bank import ExpertWeights
+from ops.expert_math import ExpertMath
 
 QType = GGMLQuantizationType
 SOURCE = native.CSRC / "cpu_experts.c"
@@ -32,7 +33,36 @@ _ERRORS = {
     -3: "token id out of range",
     -4: "expert id out of range",
     -5: "out of memory",
+    -6: "unsupported activation",
 }
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1, "gelu": 2}  # MOE_SILU, MOE_SWIGLU_OAI, MOE_GELU of ops/csrc/layer.h
+
+
+class MoeMathStruct(ctypes.Structure):
+    """Mirror of `struct moe_math` in ops/csrc/layer.h."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("gate_bias", "up_bias", "down_bias")),
+        ("activation", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+def _bias(name: str, t: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected {shape}, got {tuple(t.shape)}")
+    return t.to("cpu", torch.float32).contiguous()
+
+
+def math_struct(math: ExpertMath, w: ExpertWeights) -> tuple[MoeMathStruct, tuple[torch.Tensor | None, ...]]:
+    """The kernel's view of `math` for bank `w`, and the float32 host biases it points to (keep them alive)."""
+    biases = (_bias("gate_bias", math.gate_bias, (w.num_experts, w.ff)),
+              _bias("up_bias", math.up_bias, (w.num_experts, w.ff)),
+              _bias("down_bias", math.down_bias, (w.num_experts, w.hidden)))
+    pointers = (None if b is None else b.data_ptr() for b in biases)
+    return MoeMathStruct(*pointers, ACTIVATIONS[math.activation], math.alpha, math.limit), biases
 
 
 class MoeTaskStruct(ctypes.Structure):
@@ -42,6 +72,7 @@ class MoeTaskStruct(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in ("x", "expert_ids", "weights", "on_cpu", "num_tokens", "out")),
         *((name, ctypes.c_int64) for name in ("max_tokens", "top_k", "hidden", "ff", "num_experts")),
         *((name, ctypes.c_void_p) for name in ("gate", "up", "down")),
+        ("math", MoeMathStruct),
         *((name, ctypes.c_int32) for name in ("gate_type", "up_type", "down_type", "num_threads", "error", "reserved")),
         *((name, ctypes.c_int64) for name in ("calls", "pairs", "experts", "bytes", "busy_ns")),
     ]
@@ -54,8 +85,9 @@ class NativeExperts:
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         self._ffn = lib.moe_expert_ffn
         # x, num_tokens, token_ids, expert_ids, weights, num_pairs, gate, up, down, gate_type, up_type,
-        # down_type, num_experts, hidden, ff, out, num_threads
-        self._ffn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i64, i64, i64, ptr, i32]
+        # down_type, num_experts, hidden, ff, out, num_threads, math
+        self._ffn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i64, i64, i64, ptr, i32,
+                              ctypes.POINTER(MoeMathStruct)]
         self._ffn.restype = ctypes.c_int
         lib.moe_supports_type.argtypes = [ctypes.c_int]
         self._supports = lib.moe_supports_type
@@ -70,7 +102,9 @@ class NativeExperts:
             raise RuntimeError("MoeTaskStruct does not match struct moe_task in ops/csrc/cpu_experts.c")
 
     def supports(self, w: ExpertWeights) -> bool:
-        return all(self._supports(int(t)) for t in (w.gate_type, w.up_type, w.down_type))
+        """The bank's types and its math's activation have a native kernel, its projections are whole tensors."""
+        types = all(self._supports(int(t)) for t in (w.gate_type, w.up_type, w.down_type))
+        return w.is_contiguous and types and w.math.activation in ACTIVATIONS
 
     def start_pool(self, num_threads: int | None = None, spin_us: int | None = None) -> int:
         """Size the worker pool (threads per layer, the caller included; default: one per core) and how long
@@ -96,6 +130,7 @@ class NativeExperts:
     ) -> torch.Tensor:
         x, token_ids, expert_ids, weights = _checked(x, token_ids, expert_ids, weights, w)
         out = torch.empty_like(x)  # the kernel writes every row
+        math, _biases = math_struct(w.math, w)  # NOTE: _biases keeps the pointed-to tensors alive for the call
         rc = self._ffn(
             x.data_ptr(),
             x.shape[0],
@@ -114,6 +149,7 @@ class NativeExperts:
             w.ff,
             out.data_ptr(),
             num_threads or 0,
+            ctypes.byref(math),
         )
         if rc:
             raise ValueError(f"expert_ffn_cpu: {_ERRORS.get(rc, f'error {rc}')}")
@@ -147,7 +183,8 @@ class ExpertTask:
     x float32 [max_tokens, hidden]; expert_ids int32, weights float32, on_cpu int32 [max_tokens, top_k]
     (pair p is token p // top_k's; it is computed where on_cpu[p] != 0 and expert_ids[p] >= 0);
     num_tokens int32 [1]. It writes out float32 [max_tokens, hidden] rows < num_tokens: the weighted sum of
-    the flagged pairs, bit-identical to `expert_ffn_cpu` on them. The tensors are kept alive here.
+    the flagged pairs under the bank's math, bit-identical to `expert_ffn_cpu` on them. The tensors are kept
+    alive here.
     """
 
     def __init__(self, w: ExpertWeights, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
@@ -165,12 +202,13 @@ class ExpertTask:
                                ("on_cpu", on_cpu, torch.int32)):
             _host_tensor(name, t, dtype, pairs)
         _host_tensor("num_tokens", num_tokens, torch.int32, 1)
+        math, biases = math_struct(w.math, w)
         lib.reserve_threads(num_threads)  # not on the first run, in a CUDA driver's thread
-        self._lib, self._tensors = lib, (w, x, expert_ids, weights, on_cpu, num_tokens, out)
+        self._lib, self._tensors = lib, (w, x, expert_ids, weights, on_cpu, num_tokens, out, *biases)
         self.struct = MoeTaskStruct(
             x.data_ptr(), expert_ids.data_ptr(), weights.data_ptr(), on_cpu.data_ptr(), num_tokens.data_ptr(),
             out.data_ptr(), max_tokens, pairs // max_tokens, w.hidden, w.ff, w.num_experts, w.gate.data_ptr(),
-            w.up.data_ptr(), w.down.data_ptr(), int(w.gate_type), int(w.up_type), int(w.down_type),
+            w.up.data_ptr(), w.down.data_ptr(), math, int(w.gate_type), int(w.up_type), int(w.down_type),
             num_threads or 0)
 
     @property
@@ -235,7 +273,8 @@ def expert_ffn_cpu(
     *,
     num_threads: int | None = None,
 ) -> torch.Tensor:
-    """out[t] = sum over pairs p with token_ids[p] == t of weights[p] * down_e(silu(gate_e(x_t)) * up_e(x_t)).
+    """out[t] = sum over pairs p with token_ids[p] == t of weights[p] * down_e(silu(gate_e(x_t)) * up_e(x_t)),
+    or what the bank's `ExpertMath` computes between the matrices.
 
     x: float32 [num_tokens, hidden]; token_ids, expert_ids: int64 [num_pairs]; weights: float32 [num_pairs].
     Returns float32 [num_tokens, hidden]. `num_threads` sizes the native kernel's team (default: all cores).
@@ -268,8 +307,9 @@ def expert_ffn_tiled(
     experts, counts = torch.unique_consecutive(expert_ids[order], return_counts=True)
     for e, pairs in zip(experts.tolist(), torch.split(order, counts.tolist()), strict=True):
         tokens = token_ids[pairs]
-        rows = x[tokens]  # [n, hidden]
+        rows, bank_rows = x[tokens], torch.full_like(tokens, e)  # [n, hidden], [n]
         gate = _tiled_matmul(rows, w.gate[e], w.gate_type, w.hidden)  # [n, ff]
-        h = F.silu(gate) * _tiled_matmul(rows, w.up[e], w.up_type, w.hidden)
-        out.index_add_(0, tokens, _tiled_matmul(h, w.down[e], w.down_type, w.ff) * weights[pairs, None])
+        h = w.math.hidden(gate, _tiled_matmul(rows, w.up[e], w.up_type, w.hidden), bank_rows)
+        y = w.math.output(_tiled_matmul(h, w.down[e], w.down_type, w.ff), bank_rows)
+        out.index_add_(0, tokens, y * weights[pairs, None])
     return out

@@ -4,13 +4,14 @@ reference, and the fast paths behind it.
     ffn(x, token_ids, bank_rows, weights, bank) -> float32 [tokens, hidden]
 
 x `[tokens, hidden]`; token_ids, bank_rows, weights `[pairs]`: pair p adds
-`weights[p] * down_r(silu(gate_r(x_t)) * up_r(x_t))` to token t = token_ids[p], for bank row r = bank_rows[p].
-Pairs whose row is -1 are skipped.
+`weights[p] * down_r(silu(gate_r(x_t)) * up_r(x_t))` to token t = token_ids[p], for bank row r = bank_rows[p],
+or what the bank's `ExpertMath` says between the matrices (biases, another activation). Pairs whose row is
+-1 are skipped.
 
 - `expert_ffn_reference`: plain torch, each used row dequantized once by `ops.quants`: the oracle every
   path is tested against.
-- `ops.cpu_experts.expert_ffn_cpu`: the native CPU kernel on a host bank (torch row tiles where no C
-  compiler is present); it takes valid rows only, so `expert_ffn` drops the skipped pairs before it.
+- `ops.cpu_experts.expert_ffn_cpu`: the native CPU kernel on a host bank, its math included (torch row tiles where
+  no C compiler is present); it takes valid rows only, so `expert_ffn` drops the skipped pairs before it.
 - `ops.triton.expert_ffn_triton`: the grouped GEMV kernels on CUDA, for a bank in VRAM or pinned host
   memory. Its launcher `ops.triton.grouped_expert_ffn` reads pointer tables instead of a bank: the expert
   cache's slots are one.
@@ -45,8 +46,12 @@ def dequantize_expert(bank: ExpertWeights, row: int, device: torch.device,
             dequantize(bank.down[row], bank.down_type, bank.ff).to(device, dtype))
 
 
-def swiglu_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def bank_expert(x: torch.Tensor, bank: ExpertWeights, row: int) -> torch.Tensor:
+    """x float32 `[n, hidden]` through bank row `row` on x's device -> float32 `[n, hidden]`."""
+    gate, up, down = dequantize_expert(bank, row, x.device)
+    rows = torch.full((x.shape[0],), row, dtype=torch.int64, device=x.device)
+    math = bank.math
+    return math.output(F.linear(math.hidden(F.linear(x, gate), F.linear(x, up), rows), down), rows)
 
 
 def expert_ffn_reference(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
@@ -60,7 +65,7 @@ def expert_ffn_reference(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: to
             continue
         pairs = (inverse == index).nonzero()[:, 0]
         tokens = token_ids[pairs]
-        y = swiglu_expert(x[tokens].float(), *dequantize_expert(bank, row, x.device))
+        y = bank_expert(x[tokens].float(), bank, row)
         out.index_add_(0, tokens, y * weights[pairs, None].float())
     return out
 

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ops.kv_quant import dense, quantize_rows
+from ops.kv_quant import dense, quantize_rows, row_bytes
 from ops.quants import QType
 
 RopeStyle = Literal["neox", "normal"]
@@ -82,6 +82,35 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool,
     return route_topk_torch(logits, top_k, norm_topk, token_mask)
 
 
+def route_topk_scored(logits: torch.Tensor, top_k: int, norm_topk: bool, token_mask: torch.Tensor | None = None, *,
+                      sigmoid: bool = False, score_bias: torch.Tensor | None = None, num_groups: int = 1,
+                      topk_groups: int = 1, group_by_max: bool = False,
+                      scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_topk` for routers beyond softmax top-k (DeepSeek-V2/V3): scores by softmax or sigmoid over all
+    experts; the choice made on scores + score_bias (float32 `[experts]`) among the experts of the best
+    `topk_groups` of `num_groups` equal groups (a group scored by its best expert, or by its best two
+    summed); the weights are the unbiased scores of the choice, optionally renormalised, times scale.
+    Torch on every device (no host sync: a captured step can hold it)."""
+    scores = _scores(logits, sigmoid)
+    choice = scores if score_bias is None else scores + score_bias
+    if num_groups > 1:
+        choice = _best_groups(choice, num_groups, topk_groups, group_by_max)
+    expert_ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = _normalize(scores.gather(-1, expert_ids), norm_topk)
+    return _mask_ids(expert_ids, token_mask), weights if scale == 1.0 else weights * scale
+
+
+def routed_weights_scored(logits: torch.Tensor, expert_ids: torch.Tensor, norm_topk: bool,
+                          token_mask: torch.Tensor | None = None, *, sigmoid: bool = False,
+                          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`routed_weights` for the routers of `route_topk_scored`: the weights they give the given ids."""
+    expert_ids = expert_ids.to(logits.device, torch.int64)
+    valid = (expert_ids >= 0) & (expert_ids < logits.shape[-1])
+    scores = torch.where(valid, _scores(logits, sigmoid).gather(-1, expert_ids.clamp(0, logits.shape[-1] - 1)), 0.0)
+    weights = _normalize(scores, norm_topk)
+    return _mask_ids(torch.where(valid, expert_ids, -1), token_mask), weights if scale == 1.0 else weights * scale
+
+
 def routed_weights(logits: torch.Tensor, expert_ids: torch.Tensor, norm_topk: bool,
                    token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same for given expert ids (a routing trace replacing the router's choice)."""
@@ -92,25 +121,44 @@ def routed_weights(logits: torch.Tensor, expert_ids: torch.Tensor, norm_topk: bo
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                     positions: torch.Tensor, scale: float, k_qtype: QType | None = None,
-                     v_qtype: QType | None = None) -> torch.Tensor:
+                     positions: torch.Tensor, scale: float, window: int = 0, sinks: torch.Tensor | None = None, *,
+                     k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
     """q `[n, heads, head_dim]`; caches `[slots, kv_heads, length, row]` (a view of the first `length`
     positions; rows of q's dtype, or uint8 blocks of k_qtype / v_qtype): token i attends to positions
-    0..positions[i] of slot slot_ids[i]."""
-    if _fused(q):
+    0..positions[i] of slot slot_ids[i], the last `window` of them where window > 0. Values may be narrower
+    than keys (a latent cache's view). sinks: float32 `[heads]`, each head's sink logit in the softmax
+    (`attention`)."""
+    if _fused(q) and _fits_attention_kernel(q, k_cache, v_cache, k_qtype, v_qtype) and not window and sinks is None:
         from ops.triton.attention import decode_attention as fused_attention
         return fused_attention(q, k_cache, v_cache, slot_ids, positions, scale, k_qtype=k_qtype, v_qtype=v_qtype)
-    return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale, k_qtype, v_qtype)
+    return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale, window, sinks, k_qtype=k_qtype,
+                                 v_qtype=v_qtype)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, start: int,
-                      scale: float, k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
+                      scale: float, window: int = 0, sinks: torch.Tensor | None = None, *,
+                      k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
     """Causal attention of one sequence's chunk: q `[n, heads, head_dim]` at positions start..start+n-1 of
-    slot `slot` of one layer's caches `[slots, kv_heads, max_len, row]`; token i attends to 0..start+i."""
-    if _fused(q) and (k_qtype is not None or v_qtype is not None):  # unquantized: SDPA's flash kernels
+    slot `slot` of one layer's caches `[slots, kv_heads, length, row]` (length at least start+n); token i
+    attends to 0..start+i (the last `window` of them where window > 0); sinks as in `decode_attention`."""
+    quantized = k_qtype is not None or v_qtype is not None  # unquantized: SDPA's flash kernels
+    if (quantized and _fused(q) and _fits_attention_kernel(q, k_cache, v_cache, k_qtype, v_qtype) and not window
+            and sinks is None):
         from ops.triton.attention import prefill_attention as fused_prefill
         return fused_prefill(q, k_cache, v_cache, slot, start, scale, k_qtype, v_qtype)
-    return prefill_attention_sdpa(q, k_cache, v_cache, slot, start, scale, k_qtype, v_qtype)
+    return prefill_attention_sdpa(q, k_cache, v_cache, slot, start, scale, window, sinks, k_qtype=k_qtype,
+                                  v_qtype=v_qtype)
+
+
+def _fits_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_qtype: QType | None,
+                           v_qtype: QType | None) -> bool:
+    """The Triton kernels' shapes: one head size for q, k and v, a power of two in [16, 256] (the caches'
+    rows that many values, or their quantized bytes)."""
+    head_dim = q.shape[-1]
+    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0) or k_cache.shape[:-1] != v_cache.shape[:-1]:
+        return False
+    return all(cache.shape[-1] == (head_dim if qtype is None else row_bytes(qtype, head_dim, q.dtype))
+               for cache, qtype in ((k_cache, k_qtype), (v_cache, v_qtype)))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
@@ -167,6 +215,22 @@ def _normalize(weights: torch.Tensor, norm_topk: bool) -> torch.Tensor:
     return weights / weights.sum(dim=-1, keepdim=True) if norm_topk else weights
 
 
+def _scores(logits: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+    return torch.sigmoid(logits.float()) if sigmoid else torch.softmax(logits.float(), dim=-1)
+
+
+def _best_groups(choice: torch.Tensor, num_groups: int, topk_groups: int, group_by_max: bool) -> torch.Tensor:
+    """choice `[tokens, experts]` with the experts outside each token's best groups set to -inf."""
+    grouped = choice.view(choice.shape[0], num_groups, -1)  # [tokens, groups, experts per group]
+    if group_by_max:
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    best = torch.topk(group_scores, topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [tokens, groups]
+    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view_as(choice)
+
+
 def route_topk_torch(logits: torch.Tensor, top_k: int, norm_topk: bool,
                      token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(logits.float(), dim=-1)
@@ -182,24 +246,45 @@ def routed_weights_torch(logits: torch.Tensor, expert_ids: torch.Tensor, norm_to
 
 
 def decode_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                          positions: torch.Tensor, scale: float, k_qtype: QType | None = None,
+                          positions: torch.Tensor, scale: float, window: int = 0,
+                          sinks: torch.Tensor | None = None, *, k_qtype: QType | None = None,
                           v_qtype: QType | None = None) -> torch.Tensor:
     head_dim = q.shape[-1]
     keys = dense(k_cache[slot_ids], k_qtype, head_dim, q.dtype)  # [n, kv_heads, length, head_dim]
     values = dense(v_cache[slot_ids], v_qtype, head_dim, q.dtype)
-    mask = torch.arange(keys.shape[2], device=q.device)[None, :] <= positions[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
-    return out[:, :, 0, :]
+    mask = causal_mask(positions, keys.shape[2], window)  # [n, length]
+    return attention(q[:, :, None, :], keys, values, mask[:, None, None, :], scale, sinks)[:, :, 0, :]
 
 
 def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, start: int,
-                           scale: float, k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
+                           scale: float, window: int = 0, sinks: torch.Tensor | None = None, *,
+                           k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
     end, head_dim = start + q.shape[0], q.shape[-1]
     keys = dense(k_cache[slot, :, :end], k_qtype, head_dim, q.dtype)  # [kv_heads, end, head_dim]
     values = dense(v_cache[slot, :, :end], v_qtype, head_dim, q.dtype)
-    query_pos = torch.arange(start, end, device=q.device)
-    mask = torch.arange(end, device=q.device)[None, :] <= query_pos[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
+    mask = causal_mask(torch.arange(start, end, device=q.device), end, window)
+    out = attention(q.transpose(0, 1)[None], keys[None], values[None], mask, scale, sinks)
     return out[0].transpose(0, 1)
+
+
+def causal_mask(query_positions: torch.Tensor, length: int, window: int = 0) -> torch.Tensor:
+    """bool `[queries, length]`: what each query position attends to (the last `window` positions up to its
+    own where window > 0)."""
+    keys = torch.arange(length, device=query_positions.device)[None, :]
+    mask = keys <= query_positions[:, None]
+    return mask & (keys > query_positions[:, None] - window) if window else mask
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q `[b, heads, queries, d]`, keys and values `[b, kv_heads, length, d]`, mask bool broadcast to
+    `[b, heads, queries, length]` -> `[b, heads, queries, value d]`. sinks float32 `[heads]`: a logit per head
+    that joins each softmax and takes its share of the weight, adding nothing (gpt-oss)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1).float(), values.repeat_interleave(group, dim=1).float()
+    scores = (q.float() @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ values).to(q.dtype)

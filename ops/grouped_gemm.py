@@ -38,6 +38,7 @@ def expert_ffn_grouped_gemm(x: torch.Tensor, token_ids: torch.Tensor, bank_rows:
     # NOTE: one host sync per call: the chunks' row ranges, and the most pairs of one token
     *ends_host, width = torch.cat([ends, per_token.max().view(1)]).tolist()
     rows = x.to(dtype)[token_ids[order[:ends_host[-1]]]]  # [valid pairs, hidden], sorted by bank row
+    row_ids = key[order[:ends_host[-1]]]  # the bank row of each
     y = torch.empty((rows.shape[0], bank.hidden), dtype=dtype, device=x.device)
     per_chunk = max(1, chunk_bytes // (3 * bank.ff * bank.hidden * torch.empty((), dtype=dtype).element_size()))
     for first in range(0, num_rows, per_chunk):
@@ -45,7 +46,7 @@ def expert_ffn_grouped_gemm(x: torch.Tensor, token_ids: torch.Tensor, bank_rows:
         start, stop = ends_host[first - 1] if first else 0, ends_host[last - 1]
         if stop > start:
             offs = (ends[first:last] - start).to(torch.int32)
-            y[start:stop] = _chunk_ffn(rows[start:stop], offs, bank, first, last, dtype)
+            y[start:stop] = _chunk_ffn(rows[start:stop], row_ids[start:stop], offs, bank, first, last, dtype)
     pairs = torch.zeros((bank_rows.shape[0], bank.hidden), dtype=torch.float32, device=x.device)
     pairs[order[:rows.shape[0]]] = y.float()
     return _sum_by_token(pairs * weights.float()[:, None], token_ids, per_token, width)
@@ -65,16 +66,19 @@ def _sum_by_token(pairs: torch.Tensor, token_ids: torch.Tensor, per_token: torch
     return padded.sum(1)
 
 
-def _chunk_ffn(rows: torch.Tensor, offs: torch.Tensor, bank: ExpertWeights, first: int, last: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """rows `[pairs, hidden]` of experts first..last-1 in order, offs = their cumulative counts."""
+def _chunk_ffn(rows: torch.Tensor, row_ids: torch.Tensor, offs: torch.Tensor, bank: ExpertWeights, first: int,
+               last: int, dtype: torch.dtype) -> torch.Tensor:
+    """rows `[pairs, hidden]` of experts first..last-1 in order (row_ids: each one's), offs = their cumulative
+    counts. The bank's math other than plain runs between the matrices in float32."""
     gate = dequantize_experts(bank.gate[first:last], bank.gate_type, bank.hidden, dtype)  # [e, ff, hidden]
     up = dequantize_experts(bank.up[first:last], bank.up_type, bank.hidden, dtype)
-    h = F.silu(torch._grouped_mm(rows, gate.transpose(1, 2), offs=offs))
-    h *= torch._grouped_mm(rows, up.transpose(1, 2), offs=offs)
+    g, u = (torch._grouped_mm(rows, w.transpose(1, 2), offs=offs) for w in (gate, up))
     del gate, up
+    math = bank.math
+    h = F.silu(g) * u if math.is_plain else math.hidden(g.float(), u.float(), row_ids).to(dtype)
     down = dequantize_experts(bank.down[first:last], bank.down_type, bank.ff, dtype)  # [e, hidden, ff]
-    return torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
+    return y if math.is_plain else math.output(y.float(), row_ids).to(dtype)
 
 
 def dequantize_experts(raw: torch.Tensor, qtype: QType, cols: int, dtype: torch.dtype) -> torch.Tensor:

@@ -278,6 +278,15 @@ class MXFP4(QuantFormat, qtype=QType.MXFP4):
         return cls.half_scale(blocks[:, :1]) * values
 
     @classmethod
+    def quantize_blocks(cls, blocks: torch.Tensor) -> torch.Tensor:
+        # gguf's reference: e = floor(log2(max |w|)) - 2 + 127, each weight the nearest code (the first on ties)
+        amax = blocks.abs().amax(dim=-1, keepdim=True)
+        e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, 0).to(torch.uint8)  # [n, 1]
+        table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
+        codes = (cls.half_scale(e)[:, :, None] * table - blocks[:, :, None]).abs().argmin(dim=-1)  # [n, 32]
+        return torch.cat([e, _pack(codes.to(torch.uint8).view(-1, 2, cls.block_size // 2), 4)], dim=1)
+
+    @classmethod
     def random_blocks(cls, num_blocks: int, generator: torch.Generator, scale: float) -> torch.Tensor:
         blocks = _random_bytes(num_blocks * cls.type_size, generator).view(num_blocks, cls.type_size)
         # e = 128 + log2(scale / code_rms), rounded up or down at random so that blocks vary

@@ -34,9 +34,12 @@ def install_router(engine: LLMEngine, routing: str) -> None:
 
 
 def load_engine(config: EngineConfig, progress: Callable[[str, int, int], None] | None = None,
-                routing: str = "model") -> LLMEngine:
-    """The engine of a command: the default model when the config names none, the routing spec's router."""
+                routing: str = "model", capture_graphs: bool = False) -> LLMEngine:
+    """The engine of a command: the default model when the config names none, the routing spec's router;
+    `capture_graphs`: every decode graph captured before the first request (a server)."""
     engine = LLMEngine(with_default_model(config), progress)
     if routing != "model":
         install_router(engine, routing)
+    if capture_graphs:
+        engine.capture_graphs()
     return engine

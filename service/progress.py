@@ -8,9 +8,9 @@ from typing import TextIO
 
 
 class ProgressBar:
-    def __init__(self, stream: TextIO = sys.stderr, width: int = 30) -> None:
-        self.stream, self.width = stream, width
-        self.is_tty = stream.isatty()
+    def __init__(self, stream: TextIO | None = None, width: int = 30) -> None:
+        self.stream, self.width = stream or sys.stderr, width  # the stream of the call, not of the import
+        self.is_tty = self.stream.isatty()
         self._last_draw = 0.0
         self._label = ""
 

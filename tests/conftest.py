@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moecache` sets it (service/cli.py), before torch loads
@@ -10,6 +11,7 @@ import torch  # noqa: E402
 
 from tests.spm_vocab import spm_vocab  # noqa: E402
 from tests.vocab_files import VocabFiles  # noqa: E402
+from tools.embedded_vocab import build_vocab  # noqa: E402
 from tools.synth import PRESETS, with_overrides, write_synth  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,3 +64,18 @@ def spm_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             head_dim=64, num_experts=4, expert_ff=256, vocab_size=0, context_length=512)
     write_synth(path, preset, spm_vocab(), seed=0)
     return path
+
+
+@pytest.fixture(scope="session")
+def preset_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A preset's random-weight model with its family's tokenizer, written once per session."""
+    written: dict[str, Path] = {}
+
+    def path_of(name: str) -> Path:
+        if name not in written:
+            preset = PRESETS[name]
+            written[name] = tmp_path_factory.mktemp("presets") / f"{name}.gguf"
+            write_synth(written[name], preset, build_vocab(preset.vocab), seed=5)
+        return written[name]
+
+    return path_of

@@ -7,13 +7,15 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypedDict
 
 import numpy as np
 import torch
 
-from ops.bank import random_expert_weights
+from ops.bank import ExpertWeights, random_expert_weights
 from ops.cpu_experts import QType, expert_ffn_cpu, load_native
+from ops.expert_math import Activation, ExpertMath
 
 
 class BenchmarkResult(TypedDict):
@@ -45,9 +47,13 @@ def benchmark_cpu_experts(
     num_threads: int | None = None,
     repeats: int = 30,
     seed: int = 0,
+    activation: Activation = "silu",
+    biases: bool = False,
 ) -> BenchmarkResult:
-    """One layer call per repeat, a fresh random routing each time, so experts come from DRAM."""
-    w = random_expert_weights(num_experts, hidden, ff, qtype, qtype, down_type or qtype, seed)
+    """One layer call per repeat, a fresh random routing each time, so experts come from DRAM. `activation` and
+    `biases` (gate, up and down, by expert id) set the bank's `ExpertMath`."""
+    w = with_math(random_expert_weights(num_experts, hidden, ff, qtype, qtype, down_type or qtype, seed),
+                  activation, biases)
     rng = np.random.default_rng(seed)
     x = torch.from_numpy(rng.standard_normal((num_tokens, hidden), dtype=np.float32))
     seconds, rates = [], []
@@ -68,6 +74,11 @@ def benchmark_cpu_experts(
         "num_pairs": num_tokens * top_k,
         "path": f"native-{lib.simd}" if lib is not None and lib.supports(w) else "torch",
     }
+
+
+def with_math(w: ExpertWeights, activation: Activation, biases: bool) -> ExpertWeights:
+    bias = (lambda n: torch.randn(w.num_experts, n) * 0.1) if biases else (lambda n: None)
+    return replace(w, math=ExpertMath(activation, bias(w.ff), bias(w.ff), bias(w.hidden)))
 
 
 def memory_bandwidth_gbps(num_bytes: int = 1 << 30) -> dict[str, float]:
@@ -116,7 +127,7 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="CPU expert FFN throughput, one Qwen3-30B-A3B-shaped layer")
+    parser = argparse.ArgumentParser(description="CPU expert FFN throughput, Qwen3-30B-A3B and gpt-oss-20b layers")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     args = parser.parse_args(argv)
     bw = memory_bandwidth_gbps()
@@ -131,15 +142,21 @@ def main(argv: list[str] | None = None) -> None:
         (QType.Q5_K, QType.Q5_K),
         (QType.Q6_K, QType.Q6_K),
         (QType.Q8_0, QType.Q8_0),
+        (QType.MXFP4, QType.MXFP4),
     )
     for qtype, down_type in layouts:
         for n in (1, 8):
             r = benchmark_cpu_experts(num_tokens=n, qtype=qtype, down_type=down_type, num_threads=args.threads)
-            print(
-                f"{qtype.name} gate/up + {down_type.name} down, batch {n}: {r['seconds'] * 1e6:7.0f} us"
-                f" {r['gbps']:6.1f} GB/s {r['gflops']:6.1f} GFLOP/s ({r['path']})",
-                flush=True,
-            )
+            _report(f"{qtype.name} gate/up + {down_type.name} down, batch {n}", r)
+    for n in (1, 8):  # gpt-oss-20b's layer: 32 experts of 2880 x 2880, top-4, biases and the clamped SwiGLU
+        r = benchmark_cpu_experts(2880, 2880, 32, 4, n, QType.MXFP4, num_threads=args.threads,
+                                  activation="swiglu_oai", biases=True)
+        _report(f"gpt-oss-20b MXFP4 + biases + swiglu_oai, batch {n}", r)
+
+
+def _report(case: str, r: BenchmarkResult) -> None:
+    print(f"{case}: {r['seconds'] * 1e6:7.0f} us {r['gbps']:6.1f} GB/s {r['gflops']:6.1f} GFLOP/s ({r['path']})",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import torch
 from engine.moe import Router, TopKRouter
 from engine.trace import RoutingTrace
 from engine.weights import ModelWeights
-from ops.fused import routed_weights
 
 _LOGISTIC_PROBIT = 1.702  # logistic(1.702 x) approximates the normal CDF: soft rank ~ share above
 _MAX_AGE = 64  # tokens; from here on an expert counts as never used (its bonus is below 1e-3)
@@ -295,9 +294,9 @@ class ReplayRouter:
     the router reads (a captured graph reads it in place); the next token of each stream is drawn ahead
     while the device computes. The weights are the model's softmax at those ids."""
 
-    def __init__(self, source: RoutingSource, num_moe_layers: int, max_tokens: int, top_k: int, norm_topk: bool,
+    def __init__(self, source: RoutingSource, num_moe_layers: int, max_tokens: int, model: TopKRouter,
                  device: torch.device) -> None:
-        self.source, self.norm_topk = source, norm_topk
+        self.source, self.model, top_k = source, model, model.top_k
         # [tokens, layers, top_k]: a step's tokens are its first rows, one contiguous copy
         self.ids = torch.zeros((max_tokens, num_moe_layers, top_k), dtype=torch.int64, device=device)
         self.pinned = device.type == "cuda"
@@ -339,7 +338,7 @@ class ReplayRouter:
 
     def __call__(self, moe_index: int, logits: torch.Tensor,
                  token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return routed_weights(logits, self.ids[:logits.shape[0], moe_index], self.norm_topk, token_mask)
+        return self.model.weights_at(logits, self.ids[:logits.shape[0], moe_index], token_mask)
 
 
 def make_router(spec: str, weights: ModelWeights, max_tokens: int, device: torch.device, seed: int = 0) -> Router:
@@ -348,5 +347,5 @@ def make_router(spec: str, weights: ModelWeights, max_tokens: int, device: torch
     hp = weights.hparams
     source = parse_routing(spec, len(weights.moe_layers), hp.num_experts, hp.top_k, seed)
     if source is None:
-        return TopKRouter(hp.top_k, hp.norm_topk)
-    return ReplayRouter(source, len(weights.moe_layers), max_tokens, hp.top_k, hp.norm_topk, device)
+        return TopKRouter.of(weights)
+    return ReplayRouter(source, len(weights.moe_layers), max_tokens, TopKRouter.of(weights), device)

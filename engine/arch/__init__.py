@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from engine.arch import llama, olmoe, qwen2moe, qwen3moe
+from engine.arch import deepseek2, gemma4, gptoss, llama, olmoe, qwen2moe, qwen3moe
 from engine.arch.base import ArchSpec, HParams
 
-ARCHITECTURES: dict[str, ArchSpec] = {m.ARCH.name: m.ARCH for m in (qwen3moe, qwen2moe, llama, olmoe)}
+ARCHITECTURES: dict[str, ArchSpec] = {m.ARCH.name: m.ARCH for m in (qwen3moe, qwen2moe, llama, olmoe, deepseek2,
+                                                                        gptoss, gemma4)}
 
 
 def get_arch(name: str) -> ArchSpec:

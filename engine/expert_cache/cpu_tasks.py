@@ -37,8 +37,8 @@ class Task(Protocol):
 
 
 class PythonTask:
-    """A layer's CPU pairs through `expert_ffn_cpu` (expert types the native task lacks): the same job and
-    result, run from Python only (not a host node: such steps are not captured)."""
+    """A layer's CPU pairs through `expert_ffn_cpu` (expert types or an activation the native task lacks, or no C
+    compiler): the same job and result, run from Python only (not a host node: such steps are not captured)."""
 
     function_address = 0
     address = 0
@@ -53,8 +53,8 @@ class PythonTask:
         num_tokens = int(job.num_tokens[0])
         pairs = ((job.on_cpu[:num_tokens * top_k] != 0) & (job.expert_ids[:num_tokens * top_k] >= 0)).nonzero()[:, 0]
         experts = job.expert_ids[pairs].long()
-        job.out[:num_tokens] = expert_ffn_cpu(job.x[:num_tokens], pairs // top_k, experts, job.weights[pairs],
-                                              self.bank, num_threads=self.num_threads)
+        args = (job.x[:num_tokens], pairs // top_k, experts, job.weights[pairs], self.bank)
+        job.out[:num_tokens] = expert_ffn_cpu(*args, num_threads=self.num_threads)
         distinct = int(experts.unique().numel())
         for i, n in enumerate((1, len(pairs), distinct, distinct * self.bank.expert_bytes,
                                time.perf_counter_ns() - start)):
@@ -67,7 +67,7 @@ class PythonTask:
 
 
 def make_task(bank: ExpertWeights, job: CpuJob, num_threads: int) -> Task:
-    """The native task where the kernel supports the layer's types, else `PythonTask`."""
+    """The native task where the kernel supports the layer's types and math, else `PythonTask`."""
     native = load_native()
     if native is not None and native.supports(bank):
         return ExpertTask(bank, job.x, job.expert_ids, job.weights, job.on_cpu, job.num_tokens, job.out,

@@ -7,7 +7,7 @@ same protocol runs with one copy thread, so every invariant is exercised without
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -95,7 +95,8 @@ class CopyHandle:
 
 
 def empty_bank(like: ExpertWeights, rows: int, device: torch.device) -> ExpertWeights:
-    """An uninitialised bank of `rows` experts shaped like `like` (slot pools, staging buffers)."""
+    """An uninitialised bank of `rows` experts shaped like `like` (slot pools, staging buffers), plain math:
+    its rows are not the layer's experts."""
     new = lambda t: torch.empty((rows, *t.shape[1:]), dtype=torch.uint8, device=device)  # noqa: E731
     return ExpertWeights(new(like.gate), new(like.up), new(like.down), like.gate_type, like.up_type,
                          like.down_type, like.hidden, like.ff)
@@ -111,8 +112,7 @@ def bank_to(bank: ExpertWeights, device: torch.device) -> ExpertWeights:
     if bank.gate.device == device:
         return bank
     move = lambda t: t.to(device)  # noqa: E731
-    return ExpertWeights(move(bank.gate), move(bank.up), move(bank.down), bank.gate_type, bank.up_type,
-                         bank.down_type, bank.hidden, bank.ff)
+    return replace(bank, gate=move(bank.gate), up=move(bank.up), down=move(bank.down), math=bank.math.to(device))
 
 
 def expert_parts(bank: ExpertWeights, row: int | slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

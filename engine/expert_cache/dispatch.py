@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import torch
 
@@ -63,8 +64,9 @@ class ExpertDispatcher:
         self.resident_tables = {layer: tables_from_bank(bank, self.device) for layer, bank in self.resident.items()}
 
         def view(ptrs: torch.Tensor, bank: ExpertWeights) -> ExpertTables:
+            # NOTE: the tables are indexed by expert id, like the host bank's math
             return ExpertTables(ptrs[0], ptrs[1], ptrs[2], bank.gate_type, bank.up_type, bank.down_type,
-                                bank.hidden, bank.ff)
+                                bank.hidden, bank.ff, bank.math.to(self.device))
 
         self.cur = {layer: view(t.cur[self.rows[layer]], bank) for layer, bank in self.host.items()}
         self.fill = {layer: Fill(t.fill[self.rows[layer]], view(t.host[self.rows[layer]], bank))
@@ -166,7 +168,8 @@ class ExpertDispatcher:
         in_pool = (outcome == HIT) | (outcome == LANDED)
         if bool(in_pool.any()):
             assert pool is not None, "hits and landings are in a cached group's pool"
-            out += expert_ffn(x, tokens[in_pool], slot[in_pool], pair_weights[in_pool], pool)
+            out += expert_ffn(x, tokens[in_pool], slot[in_pool], pair_weights[in_pool],
+                              self._pool_bank(pool, host, slot[in_pool], experts[in_pool]))
         staged = outcome == STAGED
         if bool(staged.any()):
             out += expert_ffn(x, tokens[staged], experts[staged], pair_weights[staged], host)
@@ -174,6 +177,16 @@ class ExpertDispatcher:
             self.cpu.run(layer)
             out += self.cpu.job.out[:x.shape[0]]
         return out.to(x.dtype)
+
+    @staticmethod
+    def _pool_bank(pool: ExpertWeights, host: ExpertWeights, slots: torch.Tensor,
+                   experts: torch.Tensor) -> ExpertWeights:
+        """The pool with the layer's math for the slots the pairs read (rows are slots, not experts)."""
+        if host.math.is_plain:
+            return pool
+        expert_of_slot = torch.full((pool.num_experts,), -1, dtype=torch.int64)
+        expert_of_slot[slots] = experts
+        return replace(pool, math=host.math.at_rows(expert_of_slot))
 
     def _prefill(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """A large batch: the layer's experts staged whole in VRAM (cached ones copied from their slots) or,

@@ -8,6 +8,7 @@ each tensor is copied, so RAM never holds an expert twice. With a CPU device the
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -22,13 +23,14 @@ def pin_experts(layers: dict[int, ExpertWeights], release: Callable[[int, int], 
     def pinned_copy(src: torch.Tensor) -> torch.Tensor:
         dst = torch.empty(src.shape, dtype=torch.uint8, pin_memory=True)
         dst.copy_(src)
-        release(src.data_ptr(), src.numel())
+        # NOTE: the bytes the tensor spans: a view of merged gate/up experts spans its twin's too
+        release(src.data_ptr(), (src.shape[0] - 1) * src.stride(0) + src[0].numel())
         return dst
 
     pinned = {}
     for layer, w in layers.items():
         gate, up, down = (pinned_copy(t) for t in (w.gate, w.up, w.down))
-        pinned[layer] = ExpertWeights(gate, up, down, w.gate_type, w.up_type, w.down_type, w.hidden, w.ff)
+        pinned[layer] = replace(w, gate=gate, up=up, down=down)
         if progress:
             progress(sum(t.numel() for t in (gate, up, down)))
     return pinned

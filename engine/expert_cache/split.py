@@ -63,7 +63,7 @@ def measure_stream_gbps(bank: ExpertWeights, device: torch.device, num_experts: 
 
     n = min(num_experts, bank.num_experts)
     first = ExpertWeights(bank.gate[:n], bank.up[:n], bank.down[:n], bank.gate_type, bank.up_type,
-                          bank.down_type, bank.hidden, bank.ff)
+                          bank.down_type, bank.hidden, bank.ff)  # plain math: the copy speed is measured
     src, dst = tables_from_bank(first, device), tables_from_bank(empty_bank(first, n, device), device)
     fill = Fill(torch.ones(n, dtype=torch.int8, device=device), src)
     experts = torch.arange(n, device=device)

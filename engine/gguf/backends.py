@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
+from tokenizers import Regex, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
-from tokenizers import normalizers
 from tokenizers.models import BPE
 
 from engine.gguf.pretokenizers import build_pre_tokenizer
@@ -20,7 +20,8 @@ SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
 
 def build_backend(spec: VocabSpec) -> Backend:
-    return build_spm_backend(spec) if spec.kind == "spm" else build_bpe_backend(spec)
+    builders = {"spm": build_spm_backend, "gemma4": build_gemma4_backend, "bpe": build_bpe_backend}
+    return builders[spec.kind](spec)
 
 
 def build_bpe_backend(spec: VocabSpec) -> Backend:
@@ -30,6 +31,16 @@ def build_bpe_backend(spec: VocabSpec) -> Backend:
     model = BPE(vocab=vocab, merges=split_merges(spec.merges), ignore_merges=spec.pre.ignore_merges)
     backend = Backend(model)
     backend.pre_tokenizer = build_pre_tokenizer(spec.pre)
+    return backend
+
+
+def build_gemma4_backend(spec: VocabSpec) -> Backend:
+    """Gemma 4's SentencePiece-style BPE as llama.cpp runs it: spaces become '▁', each line (and each run of
+    newlines) is one word merged by rank over its UTF-8 characters, unknown bytes fall back to <0xXX>."""
+    vocab = {text: token_id for token_id, text in enumerate(spec.tokens)}
+    backend = Backend(BPE(vocab=vocab, merges=split_merges(spec.merges), byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", SPACE_MARK)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
     return backend
 
 
@@ -104,7 +115,7 @@ def _piece(vocab_kind: str, text: str, kind: int, to_latin1: dict[int, str]) -> 
         return bytes([int(text[3:5], 16)])  # "<0xAB>"
     if kind != TokenType.NORMAL:
         return b""  # llama.cpp renders unused and undefined tokens as nothing
-    if vocab_kind == "spm":
+    if vocab_kind in ("spm", "gemma4"):
         return text.replace(SPACE_MARK, " ").encode()
     mapped = text.translate(to_latin1)
     try:

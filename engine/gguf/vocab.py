@@ -34,12 +34,14 @@ END_MARKERS = frozenset(
         "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
         "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
         "<end_of_utterance>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<|fim_pad|>", "<|fim_repo|>",
-        "<|repo_name|>", "<|file_sep|>",
+        "<|repo_name|>", "<|file_sep|>", "<turn|>",
     }
 )  # fmt: skip
 
-# `tokenizer.ggml.model` values and the vocabulary kind each one means.
-MODEL_KINDS = {"gpt2": "bpe", "llama": "spm"}
+# `tokenizer.ggml.model` values and the vocabulary kind each one means. Gemma 4's is SentencePiece-style BPE:
+# spaces as '▁', merges ranked by their order over UTF-8 characters, <0xXX> byte fallback, a BOS always added
+MODEL_KINDS = {"gpt2": "bpe", "llama": "spm", "gemma4": "gemma4"}
+MERGED_KINDS = ("bpe", "gemma4")  # the kinds whose vocabulary carries merges
 SPM_DEFAULT_IDS = {"bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0}
 
 
@@ -47,7 +49,7 @@ SPM_DEFAULT_IDS = {"bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0}
 class VocabSpec:
     """Everything needed to build a tokenizer; `token_types` already has llama.cpp's overrides."""
 
-    kind: str  # "bpe" (byte-level BPE) or "spm" (SentencePiece-style BPE with byte fallback)
+    kind: str  # "bpe" (byte-level BPE), "spm" (SentencePiece scores, byte fallback) or "gemma4" (merges, ▁, fallback)
     pre: PreTokenizerSpec | None  # None for "spm"
     tokens: Sequence[str]
     token_types: Sequence[int]
@@ -78,6 +80,7 @@ def parse_vocab(metadata: Mapping[str, Any]) -> VocabSpec:
     end_markers = _end_marker_ids(tokens)
     pre = pre_tokenizer_spec(metadata.get(KEY + "pre") or "default") if kind == "bpe" else None
     add_bos = pre.add_bos if pre is not None else True
+    # NOTE: llama.cpp adds Gemma 4's BOS whatever the file says
     return VocabSpec(
         kind=kind,
         pre=pre,
@@ -91,7 +94,7 @@ def parse_vocab(metadata: Mapping[str, Any]) -> VocabSpec:
         eom_id=_token_id(metadata, "eom_token_id", kind, len(tokens)),
         pad_id=_token_id(metadata, "padding_token_id", kind, len(tokens)),
         end_marker_ids=end_markers,
-        add_bos=bool(metadata.get(KEY + "add_bos_token", add_bos)),
+        add_bos=kind == "gemma4" or bool(metadata.get(KEY + "add_bos_token", add_bos)),
         add_eos=bool(metadata.get(KEY + "add_eos_token", False)),
         add_space_prefix=kind == "spm" and bool(metadata.get(KEY + "add_space_prefix", True)),
         chat_template=metadata.get("tokenizer.chat_template") or None,
@@ -104,8 +107,8 @@ def _model_kind(metadata: Mapping[str, Any]) -> str:
         raise ValueError(f"unsupported tokenizer model {model!r} (supported: {sorted(MODEL_KINDS)})")
     if KEY + "tokens" not in metadata:
         raise ValueError(f"GGUF metadata has no {KEY}tokens")
-    if MODEL_KINDS[model] == "bpe" and not metadata.get(KEY + "merges"):
-        raise ValueError(f"byte-level BPE vocabulary without {KEY}merges")
+    if MODEL_KINDS[model] in MERGED_KINDS and not metadata.get(KEY + "merges"):
+        raise ValueError(f"BPE vocabulary ({model}) without {KEY}merges")
     return MODEL_KINDS[model]
 
 

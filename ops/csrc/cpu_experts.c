@@ -2,6 +2,8 @@
  *
  *   out[t] = sum over pairs p with token[p] == t of weight[p] * down_e(silu(gate_e(x_t)) * up_e(x_t))
  *
+ * or, with a moe_math (layer.h), weight[p] * (down_e(act(gate_e(x_t) + bg_e, up_e(x_t) + bu_e)) + bd_e).
+ *
  * One call per layer, run by a persistent worker pool (pool.h) with the calling thread, as one job of
  * numbered items (layer.h). Pairs are grouped by expert; every weight row is read once per call and used
  * for all pairs of its expert (MAX_TILE at a time). Weight blocks are decoded in registers inside the dot
@@ -31,6 +33,7 @@ enum {
     MOE_EBADTOKEN = -3,
     MOE_EBADEXPERT = -4,
     MOE_ENOMEM = -5,
+    MOE_EBADMATH = -6,
 };
 
 /* ---- weight formats, by ggml type id ---- */
@@ -39,7 +42,7 @@ static const weight_fmt FORMATS[] = {
     {0, 1, 4, &ACT_F32, dot_f32_rows},       {1, 1, 2, &ACT_F32, dot_f16_rows},
     {30, 1, 2, &ACT_F32, dot_bf16_rows},     {8, QK8_0, 34, &ACT_Q8_0, dot_q8_0_rows},
     {12, QK_K, 144, &ACT_K, dot_q4k_rows},   {13, QK_K, 176, &ACT_K, dot_q5k_rows},
-    {14, QK_K, 210, &ACT_K, dot_q6k_rows},
+    {14, QK_K, 210, &ACT_K, dot_q6k_rows},   {39, QK8_0, 17, &ACT_Q8_0, dot_mxfp4_rows},
 };
 
 static const weight_fmt *find_format(int type) {
@@ -69,6 +72,7 @@ static int make_mats(layer *L, const uint8_t *gate, const uint8_t *up, const uin
     int err = make_mat(&L->gate, gate_type, gate, ff, hidden);
     if (!err) err = make_mat(&L->up, up_type, up, ff, hidden);
     if (!err) err = make_mat(&L->down, down_type, down, hidden, ff);
+    if (!err && (L->math.activation < MOE_SILU || L->math.activation > MOE_GELU)) err = MOE_EBADMATH;
     return err;
 }
 
@@ -160,12 +164,14 @@ static int check_ids(const int64_t *ids, int64_t n, int64_t limit) {
 
 /* x: float32 [num_tokens, hidden]; token_ids, expert_ids, weights: [num_pairs];
  * gate, up: [num_experts, ff, row bytes of hidden]; down: [num_experts, hidden, row bytes of ff];
- * out: float32 [num_tokens, hidden], every row written; num_threads <= 0: the pool's default. */
+ * out: float32 [num_tokens, hidden], every row written; num_threads <= 0: the pool's default;
+ * math: biases and activation, NULL for silu without biases. */
 int moe_expert_ffn(const float *x, int64_t num_tokens, const int64_t *token_ids, const int64_t *expert_ids,
                    const float *weights, int64_t num_pairs, const uint8_t *gate, const uint8_t *up,
                    const uint8_t *down, int gate_type, int up_type, int down_type, int64_t num_experts,
-                   int64_t hidden, int64_t ff, float *out, int num_threads) {
+                   int64_t hidden, int64_t ff, float *out, int num_threads, const moe_math *math) {
     layer L = {.x = x, .out = out, .num_tokens = num_tokens};
+    if (math) L.math = *math;
     int err = make_mats(&L, gate, up, down, gate_type, up_type, down_type, hidden, ff);
     if (err) return err;
     if (num_tokens < 0 || num_pairs < 0) return MOE_EBADSHAPE;
@@ -190,6 +196,7 @@ typedef struct moe_task { /* mirrored by MoeTaskStruct in ops/cpu_experts.py */
     float *out;                /* [max_tokens, hidden]: rows < *num_tokens written, 0 where no CPU pair */
     int64_t max_tokens, top_k, hidden, ff, num_experts;
     const uint8_t *gate, *up, *down; /* the layer's experts, raw GGUF bytes, as moe_expert_ffn takes them */
+    moe_math math;                   /* biases and activation (all zero: silu without biases) */
     int32_t gate_type, up_type, down_type, num_threads;
     /* written by the task: the last run's error (0 or a MOE_E* code), cumulative counters */
     int32_t error, reserved;
@@ -244,7 +251,7 @@ static void count_task(moe_task *t, const layer *L, int64_t start_ns) {
 void moe_task_run(void *task) {
     moe_task *t = task;
     const int64_t start = now_ns(), num_tokens = *t->num_tokens;
-    layer L = {.x = t->x, .out = t->out, .num_tokens = num_tokens};
+    layer L = {.x = t->x, .out = t->out, .num_tokens = num_tokens, .math = t->math};
     pthread_mutex_lock(&g_lock);
     t->error = task_layer(t, &L, num_tokens);
     if (t->error) {

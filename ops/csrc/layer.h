@@ -1,8 +1,9 @@
 /* One MoE layer call as one pool job of numbered items, claimed in order:
  *   x items        quantize the rows of tokens that have pairs, to the form the gate/up weights take
- *   gate/up items  (group, rows): h = silu(gate x) * up x for the group's pairs; the item that finishes a
- *                  group's last rows quantizes the group's h rows for the down projection
- *   down items     (rows): those rows of out for every token, summed over groups in expert order
+ *   gate/up items  (group, rows): h = act(gate x + b_gate, up x + b_up) for the group's pairs (moe_math); the
+ *                  item that finishes a group's last rows quantizes the group's h rows for the down projection
+ *   down items     (rows): those rows of out for every token, weight * (down h + b_down) summed over groups in
+ *                  expert order
  * An item waits only for what it reads (every x row; its group's h), never for all threads. Items read
  * up to ITEM_BYTES of weights, fewer where that leaves each thread ITEMS_PER_THREAD items: long streams
  * from DRAM, and balance across threads. The weights an item reads next are prefetched while it ends
@@ -39,6 +40,19 @@ typedef struct { /* one layer's experts: [num_experts, rows, cols] */
     int64_t rows, cols, row_bytes;
 } expert_mat;
 
+enum { MOE_SILU = 0, MOE_SWIGLU_OAI = 1, MOE_GELU = 2 };
+
+/* What an expert computes between its matrices (ops/expert_math.py); mirrored by MoeMathStruct in
+ * ops/cpu_experts.py. Biases are float32 rows indexed by expert id, or NULL for none. */
+typedef struct moe_math {
+    const float *gate_bias, *up_bias; /* [num_experts, ff] */
+    const float *down_bias;           /* [num_experts, hidden] */
+    int32_t activation;               /* MOE_SILU: silu(g) * u; MOE_GELU: gelu_tanh(g) * u; MOE_SWIGLU_OAI:
+                                         min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, +-limit) + 1) */
+    float alpha, limit;
+    int32_t reserved;
+} moe_math;
+
 typedef struct { /* pairs in the caller's order */
     int64_t num;
     const int64_t *token, *expert;
@@ -53,6 +67,7 @@ typedef struct { /* grow-only scratch; a measuring pass sizes it, a second one h
 
 typedef struct {
     expert_mat gate, up, down;
+    moe_math math;
     const float *x; /* [num_tokens, hidden] */
     float *out;     /* [num_tokens, hidden] */
     int64_t num_tokens, num_pairs, num_groups, num_used;
@@ -162,6 +177,37 @@ static void plan_items(layer *L, int num_threads) {
 
 MC_INLINE float silu(float v) { return v / (1.0f + expf(-v)); }
 
+/* torch's gelu(approximate="tanh") */
+MC_INLINE float gelu_tanh(float v) {
+    return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))); /* sqrt(2 / pi) */
+}
+
+MC_INLINE float swiglu_oai(float g, float u, float alpha, float limit) {
+    g = fminf(g, limit), u = fminf(fmaxf(u, -limit), limit);
+    return g * (1.0f / (1.0f + expf(-alpha * g))) * (u + 1.0f);
+}
+
+MC_INLINE const float *bias_row(const float *bias, int64_t expert, int64_t row_len, int64_t r0) {
+    return bias ? bias + expert * row_len + r0 : NULL;
+}
+
+/* h[r] = act(gate[r] + bg[r], up[r] + bu[r]) for r < nr (bg, bu: NULL for none) */
+static void hidden_rows(const moe_math *m, const float *gate, const float *up, const float *bg, const float *bu,
+                        float *h, int64_t nr) {
+    float g[MAX_ITEM_ROWS], u[MAX_ITEM_ROWS];
+    for (int64_t r = 0; r < nr; ++r) g[r] = bg ? gate[r] + bg[r] : gate[r], u[r] = bu ? up[r] + bu[r] : up[r];
+    switch (m->activation) {
+    case MOE_SWIGLU_OAI:
+        for (int64_t r = 0; r < nr; ++r) h[r] = swiglu_oai(g[r], u[r], m->alpha, m->limit);
+        break;
+    case MOE_GELU:
+        for (int64_t r = 0; r < nr; ++r) h[r] = gelu_tanh(g[r]) * u[r];
+        break;
+    default:
+        for (int64_t r = 0; r < nr; ++r) h[r] = silu(g[r]) * u[r];
+    }
+}
+
 static void x_item(layer *L, int64_t i) {
     const int64_t hidden = L->gate.cols;
     for (int64_t k = i * X_ROWS; k < min64(L->num_used, (i + 1) * X_ROWS); ++k) {
@@ -203,6 +249,7 @@ static void gu_item(layer *L, int64_t i, const row_span next[MAX_MATS]) {
     const int64_t nr = min64(L->gu_rows, ff - r0), e = L->group_expert[g], hidden = L->gate.cols;
     const row_span gs = mat_rows(&L->gate, e, r0, nr), us = mat_rows(&L->up, e, r0, nr), none = {0};
     const int fused = L->gate.f == L->up.f; /* then xu is xg */
+    const float *bg = bias_row(L->math.gate_bias, e, ff, r0), *bu = bias_row(L->math.up_bias, e, ff, r0);
     for (int64_t p0 = L->group_start[g]; p0 < L->group_start[g + 1]; p0 += MAX_TILE) {
         const int nt = (int)min64(L->group_start[g + 1] - p0, MAX_TILE), last = p0 + nt == L->group_start[g + 1];
         const uint8_t *ag[MAX_TILE], *au[MAX_TILE];
@@ -222,17 +269,20 @@ static void gu_item(layer *L, int64_t i, const row_span next[MAX_MATS]) {
             L->up.f->dot(&ju, hidden);
         }
         for (int k = 0; k < nt; ++k)
-            for (int64_t r = 0; r < nr; ++r) L->h[(p0 + k) * ff + r0 + r] = silu(gate[k * nr + r]) * up[k * nr + r];
+            hidden_rows(&L->math, gate + k * nr, up + k * nr, bg, bu, L->h + (p0 + k) * ff + r0, nr);
     }
     finish_gu_chunk(L, g);
 }
 
-/* out rows r0 .. r0+nr of the tokens of pairs p0 .. p0+nt += weight * y [nt, nr] */
-static void add_pairs(layer *L, int64_t p0, int nt, int64_t r0, int64_t nr, const float *y) {
+/* out rows r0 .. r0+nr of the tokens of pairs p0 .. p0+nt += weight * (y [nt, nr] + bias [nr]) (bias NULL: 0) */
+static void add_pairs(layer *L, int64_t p0, int nt, int64_t r0, int64_t nr, const float *y, const float *bias) {
     for (int k = 0; k < nt; ++k) {
         float *o = L->out + L->pair_token[p0 + k] * L->down.rows + r0;
-        const float w = L->pair_weight[p0 + k];
-        for (int64_t r = 0; r < nr; ++r) o[r] += w * y[k * nr + r];
+        const float w = L->pair_weight[p0 + k], *yk = y + k * nr;
+        if (bias)
+            for (int64_t r = 0; r < nr; ++r) o[r] += w * (yk[r] + bias[r]);
+        else
+            for (int64_t r = 0; r < nr; ++r) o[r] += w * yk[r];
     }
 }
 
@@ -257,7 +307,9 @@ static int64_t down_groups(layer *L, int64_t g, int64_t r0, int64_t nr, const ro
             for (int k = 0; k < nt; ++k) a[m][k] = L->hq + (L->group_start[g + m] + t0 + k) * L->hq_bytes;
         }
         L->down.f->dot(&j, ff);
-        for (int m = 0; m < nm; ++m) add_pairs(L, L->group_start[g + m] + t0, nt, r0, nr, y[m]);
+        for (int m = 0; m < nm; ++m)
+            add_pairs(L, L->group_start[g + m] + t0, nt, r0, nr, y[m],
+                      bias_row(L->math.down_bias, L->group_expert[g + m], L->down.rows, r0));
     }
     return g + nm;
 }

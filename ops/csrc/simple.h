@@ -1,10 +1,27 @@
-/* Q8_0 rows times two-plane int8 activation rows (act_q8_0 of quant.h), and F32/F16/BF16 rows times float rows.
- *   Q8_0 34 B per 32 weights: fp16 d, int8 qs[32]; w = d * q.
+/* Q8_0 and MXFP4 rows times two-plane int8 activation rows (act_q8_0 of quant.h), and F32/F16/BF16 rows times float
+ * rows. Both int8 formats are 32 integer codes q and one scale d per block, w = d * q, so they share one dot:
+ *   Q8_0  34 B per 32 weights: fp16 d, int8 qs[32].
+ *   MXFP4 17 B per 32 weights: e8m0 e, qs[16] (byte l: weight l in the low nibble, l + 16 in the high one);
+ *         q = the e2m1 value of the nibble doubled (an integer, |q| <= 12, MXFP4_VALUES), d = 2^(e - 128).
  */
 #ifndef MOECACHE_SIMPLE_H
 #define MOECACHE_SIMPLE_H
 
 #include "quant.h"
+
+enum { I8_Q8_0, I8_MXFP4 }; /* the int8-code block formats */
+
+/* e2m1 values doubled, by nibble (ggml's kvalues_mxfp4) */
+static const int8_t MXFP4_VALUES[16] __attribute__((aligned(16))) = {0, 1, 2, 3, 4, 6, 8, 12,
+                                                                     0, -1, -2, -3, -4, -6, -8, -12};
+
+/* e8m0 byte -> 2^(e - 128), subnormal below e = 2 (ggml_e8m0_to_fp32_half) */
+MC_INLINE float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 #if MC_SIMD == 2
 
@@ -38,6 +55,22 @@ MC_INLINE void q8_decode_one(const uint8_t *blk, q8_pair *p) {
     p->dw = _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(fp16_to_fp32(blk)));
 }
 
+/* MXFP4 blocks b, b+1 (where !two, b alone: zeros above) in q8_pair form: the nibbles in weight order, looked
+ * up as |value| with the sign bit (bit 3) as the mask. */
+MC_INLINE void mxfp4_decode_pair(const uint8_t *blk, int two, q8_pair *p) {
+    const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 1)));
+    const __m256i hi = two ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 18)))
+                           : _mm256_setzero_si256();
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    const __m512i idx = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
+                                         _mm512_set1_epi8(0x0f));
+    const __m512i mags = _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)MXFP4_VALUES)));
+    p->uq = _mm512_shuffle_epi8(mags, idx);
+    p->neg = _mm512_test_epi8_mask(idx, _mm512_set1_epi8(8));
+    p->dw = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(e8m0_half(blk[0])),
+                                 _mm512_set1_ps(two ? e8m0_half(blk[17]) : 0.0f));
+}
+
 /* 64 (or, where !two, 32) activations with the sign of the weights they meet */
 MC_INLINE __m512i q8_signed(const q8_pair *p, const uint8_t *a, int two) {
     const __m512i va = two ? _mm512_loadu_si512(a) : _mm512_maskz_loadu_epi8(0xffffffffull, a);
@@ -57,9 +90,11 @@ MC_INLINE void q8_dot_pair(const q8_pair *p, const uint8_t *a, int64_t n, int64_
 
 /* blocks b (even) and, where `two`, b+1 of row w for nt activation rows */
 MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *const *acts, int nt, int64_t n,
-                       q8_acc *acc) {
+                       int kind, q8_acc *acc) {
     q8_pair p;
-    if (two)
+    if (kind == I8_MXFP4)
+        mxfp4_decode_pair(w + 17 * b, two, &p);
+    else if (two)
         q8_decode_pair(w + 34 * b, &p);
     else
         q8_decode_one(w + 34 * b, &p);
@@ -79,12 +114,25 @@ MC_INLINE __m256i q8_dot32(__m256i q, __m256i a) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(uq, sa), _mm256_set1_epi16(1));
 }
 
+/* block k's 32 codes and scale */
+MC_INLINE __m256i i8_block(const uint8_t *w, int64_t k, int kind, float *d) {
+    if (kind == I8_Q8_0) {
+        *d = fp16_to_fp32(w + 34 * k);
+        return _mm256_loadu_si256((const __m256i *)(w + 34 * k + 2));
+    }
+    const uint8_t *blk = w + 17 * k;
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 1)), m4 = _mm_set1_epi8(0x0f);
+    const __m256i idx = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(raw, m4)),
+                                                _mm_and_si128(_mm_srli_epi16(raw, 4), m4), 1);
+    *d = e8m0_half(blk[0]);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)MXFP4_VALUES)), idx);
+}
+
 MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *const *acts, int nt, int64_t n,
-                       q8_acc *acc) {
+                       int kind, q8_acc *acc) {
     for (int64_t k = b; k < b + 1 + two; ++k) {
-        const uint8_t *blk = w + 34 * k;
-        const float d = fp16_to_fp32(blk);
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        float d;
+        const __m256i q = i8_block(w, k, kind, &d);
         for (int i = 0; i < nt; ++i) {
             const uint8_t *a = acts[i] + QK8_0 * k;
             const __m256i t0 = q8_dot32(q, _mm256_loadu_si256((const __m256i *)a));
@@ -103,13 +151,26 @@ MC_INLINE float q8_acc_sum(q8_acc acc) { return hsum256_ps(acc); }
 
 typedef float q8_acc;
 
-MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *const *acts, int nt, int64_t n,
-                       q8_acc *acc) {
-    for (int64_t k = b; k < b + 1 + two; ++k) {
-        const uint8_t *blk = w + 34 * k;
-        const float d = fp16_to_fp32(blk);
+/* block k's 32 codes (in buf where they are decoded) and scale */
+MC_INLINE const int8_t *i8_block(const uint8_t *w, int64_t k, int kind, int8_t buf[QK8_0], float *d) {
+    if (kind == I8_Q8_0) {
+        *d = fp16_to_fp32(w + 34 * k);
         /* read through an int8_t pointer: GCC 12 -O3 vectorizes `(int8_t)u8 * s8` as unsigned */
-        const int8_t *q = (const int8_t *)(blk + 2);
+        return (const int8_t *)(w + 34 * k + 2);
+    }
+    const uint8_t *blk = w + 17 * k;
+    for (int l = 0; l < QK8_0 / 2; ++l)
+        buf[l] = MXFP4_VALUES[blk[1 + l] & 0x0f], buf[l + QK8_0 / 2] = MXFP4_VALUES[blk[1 + l] >> 4];
+    *d = e8m0_half(blk[0]);
+    return buf;
+}
+
+MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *const *acts, int nt, int64_t n,
+                       int kind, q8_acc *acc) {
+    for (int64_t k = b; k < b + 1 + two; ++k) {
+        int8_t buf[QK8_0];
+        float d;
+        const int8_t *q = i8_block(w, k, kind, buf, &d);
         for (int i = 0; i < nt; ++i) {
             const int8_t *a = (const int8_t *)acts[i] + QK8_0 * k;
             int32_t t0 = 0, t1 = 0;
@@ -125,7 +186,7 @@ MC_INLINE float q8_acc_sum(q8_acc acc) { return acc; }
 #endif
 
 /* Each pair of blocks is decoded once and used for all nt activation rows; the matrices' blocks alternate. */
-MC_INLINE void q8_rows(const rows_job *j, int64_t n, const int nm, const int nt) {
+MC_INLINE void q8_rows(const rows_job *j, int64_t n, const int nm, const int nt, const int kind) {
     const int64_t pf = prefetch_rows(j->w[0].row_bytes), nb = n / QK8_0;
     for (int64_t r = 0; r < j->num_rows; ++r) {
         for (int m = 0; m < nm; ++m) prefetch_row(j->w[m], j->next[m], r + pf);
@@ -134,25 +195,29 @@ MC_INLINE void q8_rows(const rows_job *j, int64_t n, const int nm, const int nt)
             for (int i = 0; i < nt; ++i) acc[m][i] = q8_acc_zero();
         for (int64_t b = 0; b < nb; b += 2)
             for (int m = 0; m < nm; ++m)
-                q8_step(j->w[m].w + r * j->w[m].row_bytes, b, b + 1 < nb, j->acts[m], nt, n, acc[m]);
+                q8_step(j->w[m].w + r * j->w[m].row_bytes, b, b + 1 < nb, j->acts[m], nt, n, kind, acc[m]);
         for (int m = 0; m < nm; ++m)
             for (int i = 0; i < nt; ++i) j->out[m][i * j->out_stride + r] = q8_acc_sum(acc[m][i]);
     }
 }
 
 /* one instance per common (nm, nt): batch 1 and 2 */
-static void dot_q8_0_rows(const rows_job *j, int64_t n) {
-    if (j->nm == 1 && j->nt == 1)
-        q8_rows(j, n, 1, 1);
-    else if (j->nm == 2 && j->nt == 1)
-        q8_rows(j, n, 2, 1);
-    else if (j->nm == 1 && j->nt == 2)
-        q8_rows(j, n, 1, 2);
-    else if (j->nm == 2 && j->nt == 2)
-        q8_rows(j, n, 2, 2);
-    else
-        q8_rows(j, n, j->nm, j->nt);
-}
+#define I8_ROWS_FN(name, kind)                        \
+    static void name(const rows_job *j, int64_t n) {  \
+        if (j->nm == 1 && j->nt == 1)                 \
+            q8_rows(j, n, 1, 1, kind);                \
+        else if (j->nm == 2 && j->nt == 1)            \
+            q8_rows(j, n, 2, 1, kind);                \
+        else if (j->nm == 1 && j->nt == 2)            \
+            q8_rows(j, n, 1, 2, kind);                \
+        else if (j->nm == 2 && j->nt == 2)            \
+            q8_rows(j, n, 2, 2, kind);                \
+        else                                          \
+            q8_rows(j, n, j->nm, j->nt, kind);        \
+    }
+
+I8_ROWS_FN(dot_q8_0_rows, I8_Q8_0)
+I8_ROWS_FN(dot_mxfp4_rows, I8_MXFP4)
 
 /* ---- float weights: activations stay float32 ---- */
 

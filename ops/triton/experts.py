@@ -54,7 +54,8 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
     id -1 (or out of range, or a pointer <= 0) are skipped. Q4_K, Q5_K, Q6_K and Q8_0 run dedicated
     kernels; other formats a gather + dequantize path. `fill`: experts first copied from host memory to
     the tables' addresses (inside the kernels that read them); `extra`: float32 `[tokens, hidden]` added,
-    after `extra_ready()` (e.g. a stream wait for whoever writes it)."""
+    after `extra_ready()` (e.g. a stream wait for whoever writes it). The tables' math other than plain
+    (biases, another activation) runs the gather path."""
     num_pairs, num_tokens, device = expert_ids.shape[0], x.shape[0], tables.device
     check_rows("x", x, (num_tokens, tables.hidden), FLOAT_DTYPES, device)
     check_vector("token_ids", token_ids, num_pairs, INDEX_DTYPES, device)
@@ -66,20 +67,34 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
     if num_tokens == 0:
         return out
     block_tokens = config.block_tokens or default_block_tokens(num_tokens)
-    fused = all(has_kernel(t) for t in (tables.gate_type, tables.up_type, tables.down_type))
+    is_plain = tables.math.is_plain
+    fused = is_plain and all(has_kernel(t) for t in (tables.gate_type, tables.up_type, tables.down_type))
     if fill is not None and not fused:  # the fallback reads whole experts: copy them first
         fill_experts(expert_ids, tables, fill)
         fill = None
+    if is_plain:
+        y = _plain_ffn(x, token_ids, expert_ids, weights, tables, config, block_tokens, fill)
+    else:
+        h = torch.empty((num_pairs, tables.ff), dtype=torch.float32, device=device)
+        y = torch.empty((num_pairs, tables.hidden), dtype=torch.float32, device=device)
+        gate_up_fallback(x, token_ids, expert_ids, tables, h)
+        down_fallback(h, expert_ids, weights, tables, y)
+    if extra_ready is not None:
+        extra_ready()
+    launch_combine(y, token_ids, out, extra=extra)
+    return out
+
+
+def _plain_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+               tables: ExpertTables, config: LaunchConfig, block_tokens: int, fill: Fill | None) -> torch.Tensor:
+    """y `[pairs, hidden]`: each pair's weighted down(silu(gate x) * up x), 0 for skipped pairs."""
     h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens, fill)
     if has_kernel(tables.down_type):
         launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens,
                     block_rows=config.down_rows, fill=fill)
     else:
         down_fallback(h, expert_ids, weights, tables, y)
-    if extra_ready is not None:
-        extra_ready()
-    launch_combine(y, token_ids, out, extra=extra)
-    return out
+    return y
 
 
 def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, tables: ExpertTables,
@@ -117,7 +132,7 @@ def tables_from_bank(bank: ExpertWeights, device: torch.device) -> ExpertTables:
                              f"{tuple(t.shape)}")
         ptrs[name] = _row_pointers(name, t, device)
     return ExpertTables(ptrs["gate"], ptrs["up"], ptrs["down"], bank.gate_type, bank.up_type, bank.down_type,
-                        bank.hidden, bank.ff)
+                        bank.hidden, bank.ff, bank.math.to(device))
 
 
 def expert_ffn_triton(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,

@@ -1,5 +1,6 @@
-"""Gate/up and down stages for formats without a dedicated kernel: each pair's expert bytes are
-gathered through the pointer tables, dequantized with `ops.quants` and multiplied in float32.
+"""Gate/up and down stages for formats without a dedicated kernel, and for the tables' math other than
+plain (`ops.expert_math`: biases, another activation): each pair's expert bytes are gathered through the
+pointer tables, dequantized with `ops.quants` and multiplied in float32.
 
 Correct for every format `ops.quants` reads; it works on CHUNK_PAIRS pairs at a time to bound the
 dequantized memory. No host sync and shapes that depend only on the pair count (the table formats
@@ -9,7 +10,6 @@ IQ4_NL, IQ4_XS and MXFP4 upload a small lookup table per call, so those cannot b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ops.quants import dequantize
 from ops.triton.gather import launch_gather
@@ -39,7 +39,8 @@ def gate_up_fallback(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch
                         tables.hidden, tables.gate_row_bytes)
         up = _weights(tables.up_ptrs, expert_ids, first, count, tables, tables.up_type, tables.ff,
                       tables.hidden, tables.up_row_bytes)
-        h[first : first + count] = F.silu(torch.bmm(gate, xs)[..., 0]) * torch.bmm(up, xs)[..., 0]
+        h[first : first + count] = tables.math.hidden(torch.bmm(gate, xs)[..., 0], torch.bmm(up, xs)[..., 0],
+                                                      expert_ids[first : first + count].long())
 
 
 def is_computed(expert_ids: torch.Tensor, tables: ExpertTables) -> torch.Tensor:
@@ -58,5 +59,6 @@ def down_fallback(h: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
         down = _weights(tables.down_ptrs, expert_ids, first, count, tables, tables.down_type, tables.hidden,
                         tables.ff, tables.down_row_bytes)
         scale = weights[first : first + count].float()[:, None]
-        value = scale * torch.bmm(down, h[first : first + count, :, None])[..., 0]
+        value = scale * tables.math.output(torch.bmm(down, h[first : first + count, :, None])[..., 0],
+                                           expert_ids[first : first + count].long())
         y[first : first + count] = torch.where(computed[first : first + count, None], value, 0.0)

@@ -8,6 +8,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ops.bank import expert_bytes
+from ops.expert_math import PLAIN, ExpertMath
 from ops.quants import row_bytes
 
 QType = GGMLQuantizationType
@@ -31,6 +32,7 @@ class ExpertTables:
     down_type: QType
     hidden: int
     ff: int
+    math: ExpertMath = PLAIN  # biases indexed like the pointers (expert ids), on the tables' device
 
     def __post_init__(self) -> None:
         for name in ("gate_type", "up_type", "down_type"):

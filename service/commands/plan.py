@@ -19,7 +19,7 @@ from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache, smalle
 from engine.expert_cache.policy import PolicyConfig
 from engine.expert_cache.replay import profile_from_trace, replay
 from engine.gguf.reader import GGUFFile
-from engine.kv_cache import kv_cache_bytes, kv_dims
+from engine.kv_cache import kv_cache_bytes
 from engine.trace import RoutingTrace
 from ops.bank import expert_bytes
 from service.options import add_options, default_of
@@ -46,10 +46,13 @@ def host_layers(gguf: GGUFFile, n_cpu_moe: int) -> list[LayerExperts]:
     num_layers, top_k = gguf.require(arch.key("block_count")), gguf.require(arch.key("expert_used_count"))
     layers = []
     for i in range(num_layers):
-        if not gguf.has(layer_tensor(i, "gate_exps")):
+        # gate and up separate, or merged (Gemma 4's ffn_gate_up_exps, gate rows first)
+        roles = ("gate_up_exps",) if gguf.has(layer_tensor(i, "gate_up_exps")) else ("gate_exps", "up_exps")
+        if not gguf.has(layer_tensor(i, roles[0])):
             continue
-        gate, up, down = infos = [gguf.tensor(layer_tensor(i, role)) for role in ("gate_exps", "up_exps", "down_exps")]
-        num_experts, ff, hidden = gate.shape  # gate [experts, ff, hidden]
+        infos = [gguf.tensor(layer_tensor(i, role)) for role in (*roles, "down_exps")]
+        gate, up, down = infos if len(infos) == 3 else (infos[0], *infos)
+        num_experts, ff, hidden = gate.shape[0], gate.shape[1] // (2 if len(infos) == 2 else 1), gate.shape[2]
         per_expert = expert_bytes(gate.qtype, up.qtype, down.qtype, hidden, ff)
         key = tuple((t.qtype.name, t.shape[1:]) for t in infos)
         layers.append(LayerExperts(i, num_experts, top_k, per_expert, key))
@@ -61,10 +64,12 @@ def kv_cache(gguf: GGUFFile, args: argparse.Namespace) -> dict:
     model = ModelConfig(max_context=args.ctx_size, kv_cache_dtype=args.kv_cache_dtype,
                         cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     hp = get_arch(gguf.architecture).hparams(gguf.metadata, vocab_size=0)  # the vocabulary does not size it
-    dims = kv_dims(hp, args.max_num_seqs, model.max_context)
+    positions = min(model.max_context, hp.context_length)
     k_type, v_type = model.kv_types
-    return {"bytes": kv_cache_bytes(*dims, torch.bfloat16, k_type, v_type), "k_type": k_type, "v_type": v_type,
-            "positions": dims[2], "sequences": args.max_num_seqs}
+    # one slot per sequence, plus the engine's scratch slot
+    size = kv_cache_bytes(hp, args.max_num_seqs + 1, positions, torch.bfloat16, k_type, v_type)
+    return {"bytes": size, "k_type": k_type, "v_type": v_type, "positions": positions,
+            "sequences": args.max_num_seqs}
 
 
 def describe(plan: CachePlan, layers: list[LayerExperts], max_batch: int, kv_bytes: int) -> dict:

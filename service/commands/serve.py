@@ -55,5 +55,5 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    load = functools.partial(load_engine, routing=args.routing)
+    load = functools.partial(load_engine, routing=args.routing, capture_graphs=True)
     return asyncio.run(serve(serve_config(args), serve_options(args), ProgressBar(), load))

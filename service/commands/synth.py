@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ops.quants import QType
 from service.progress import ProgressBar
-from tools.embedded_vocab import build_embedded_vocab
+from tools.embedded_vocab import build_vocab
 from tools.synth import PRESETS, with_overrides, write_synth
 
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if args.expert_type:
         preset = replace(preset, expert_type=QType.__members__[args.expert_type])
     bar = ProgressBar()
-    paths = write_synth(args.output, preset, build_embedded_vocab(), seed=args.seed,
+    paths = write_synth(args.output, preset, build_vocab(preset.vocab), seed=args.seed,
                         split_max_bytes=args.split_mib << 20, progress=lambda d, t: bar("writing", d, t),
                         sparse=args.sparse, device=args.device)
     for path in paths:

@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineUnavailableError, RequestMetrics
+from engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestMetrics,
+    RequestStream,
+    coalesce,
+)
 from engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.types import Request, RequestError, RequestOutput, SamplingParams
@@ -225,3 +232,24 @@ async def test_shutdown_closes_the_engine_and_logs_the_cache_summary(
         await eng.shutdown()
     assert any("expert cache, batches" in r.getMessage() for r in caplog.records)
     assert not eng.is_accepting
+
+
+async def test_a_consumer_that_fell_behind_reads_one_output_per_request() -> None:
+    stream = RequestStream([Request("a-0", (1,), GREEDY), Request("a-1", (1,), GREEDY)], arrival=0.0)
+    steps = [RequestOutput("a-0", (5,), "x"), RequestOutput("a-1", (6,), "p"), RequestOutput("a-0", (7,), "y"),
+             RequestOutput("a-0", (8,), "z", finished=True, finish_reason="length", num_generated_tokens=3)]
+    for out in steps:
+        stream.deliver(out, at=0.0)
+    first, second = await anext(stream), await anext(stream)
+    assert (first.request_id, first.new_token_ids, first.new_text) == ("a-0", (5, 7, 8), "xyz")
+    assert first.finished and first.finish_reason == "length" and first.num_generated_tokens == 3
+    assert (second.request_id, second.new_token_ids, second.finished) == ("a-1", (6,), False)
+    stream.deliver(RequestOutput("a-1", (9,), "q", finished=True), at=0.0)
+    assert [o.new_token_ids async for o in stream] == [(9,)]
+
+
+def test_outputs_before_an_error_are_kept_and_the_error_comes_last() -> None:
+    error = EngineDeadError("gone")
+    merged = coalesce([RequestOutput("r", (1,), "a"), RequestOutput("r", (2,), "b"), error,
+                       RequestOutput("r", (3,), "c")])
+    assert merged == [RequestOutput("r", (1, 2), "ab"), error]

@@ -5,6 +5,7 @@ equal to eager steps in every miss mode."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -203,6 +204,19 @@ def make_engine(path: Path, graphs: bool, **cache: object) -> LLMEngine:
     return LLMEngine(cfg)
 
 
+def test_a_server_captures_every_decode_graph_before_its_first_request(small_moe_gguf: Path) -> None:
+    engine = make_engine(small_moe_gguf, True, cpu_moe=True, budget_mib=2, miss_mode="stream")
+    engine.capture_graphs()
+    captured = set(engine.runner.graphs)
+    assert captured == {(size, length) for size in (1, 2, 4) for length in engine.runner.buckets}
+    for i in range(3):  # 3 sequences, then fewer: padded batches of 4, 2 and 1, all captured already
+        engine.add_request(Request(f"r{i}", (1, 2, 3 + i), SamplingParams(max_tokens=4 + 2 * i, ignore_eos=True)))
+    while engine.has_unfinished():
+        engine.step()
+    assert set(engine.runner.graphs) == captured
+    engine.close()
+
+
 def teacher_forced_logits(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
     """Prefill the prompts, then feed the same fixed tokens: logits of every decode step, with the cache's
     protocol around each step as the engine runs it."""
@@ -262,3 +276,40 @@ def test_quantized_kv_cache_in_captured_and_eager_steps(small_moe_gguf: Path, kv
     for g, e, b in zip(graphed, eager, base, strict=True):
         assert rel_error(g, e) < 2e-2
         assert rel_error(e, b) < KV_LOGIT_BOUNDS[kv_types]
+
+
+@pytest.mark.parametrize("cache", [dict(), dict(cpu_moe=True, budget_mib=1, miss_mode="stream"),
+                                   dict(cpu_moe=True, budget_mib=1, miss_mode="hybrid")],
+                         ids=["resident", "stream", "hybrid"])
+def test_gemma4_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], cache: dict) -> None:
+    """gemma4-tiny in float32 on the device (captured steps, its wide full-attention heads, merged gate/up
+    experts behind the cache) gives the CPU's logits."""
+    path = preset_gguf("gemma4-tiny")
+    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
+    logits = {}
+    for device in ("cuda", "cpu"):
+        cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
+                           cache=CacheConfig(**cache) if device == "cuda" else CacheConfig(),  # type: ignore[arg-type]
+                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+        logits[device] = teacher_forced_logits(LLMEngine(cfg), prompts, 24)  # past the 16-position window
+    for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
+        assert rel_error(gpu, cpu) < 1e-3
+
+
+@pytest.mark.parametrize("model", ["gpt-oss-tiny", "gemma4-tiny"])
+def test_quantized_kv_cache_beside_windows_sinks_and_wide_heads(preset_gguf: Callable[[str], Path],
+                                                               model: str) -> None:
+    """q8_0 K and q4_0 V where the attention runs in torch over the dequantized window (gpt-oss's sinks and
+    sliding windows, gemma4's windows, 128-wide full-attention heads and shared-KV layers): captured float32
+    steps on the device give the CPU's logits over the same quantized cache."""
+    path = preset_gguf(model)
+    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
+    logits = {}
+    for device in ("cuda", "cpu"):
+        cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64,
+                                             cache_type_k="q8_0", cache_type_v="q4_0"),
+                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+        logits[device] = teacher_forced_logits(LLMEngine(cfg), prompts, 24)  # past the 16-position window
+    for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
+        # a last-bit difference of k or v moves a value across a rounding boundary now and then
+        assert rel_error(gpu, cpu) < 2e-2

@@ -334,3 +334,19 @@ def test_embedded_vocab_round_trips_any_text(text: str) -> None:
 @lru_cache(maxsize=1)
 def embedded_tokenizer() -> Tokenizer:
     return Tokenizer.from_metadata(build_embedded_vocab())
+
+
+def test_gemma4_vocabulary_is_sentencepiece_style_bpe() -> None:
+    """`tokenizer.ggml.model` gemma4: spaces as '▁' merged by rank, newline runs apart, characters the
+    vocabulary lacks as <0xXX> bytes, a BOS added even where the file says not to (as llama.cpp does)."""
+    from tools.embedded_vocab import build_vocab
+
+    metadata = build_vocab("gemma4")
+    tokenizer = Tokenizer.from_metadata({**metadata, "tokenizer.ggml.add_bos_token": False})
+    tokens = metadata["tokenizer.ggml.tokens"]
+    text = "The cache computes every expert\n\nonce: \u65e5"
+    ids = tokenizer.encode(text, add_special=True)
+    assert ids[0] == tokens.index("<bos>") and tokenizer.decode(ids[1:]) == text
+    assert tokens.index("\u2581every") in ids  # the space before a word is its '▁'
+    assert [tokens[i] for i in ids[-3:]] == ["<0xE6>", "<0x97>", "<0xA5>"]  # U+65E5 is not in the vocabulary
+    assert tokenizer.encode("a\nb", add_special=False) == [tokens.index(t) for t in ("a", "\n", "b")]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ops import native, quants
-from ops.bank import random_expert_weights
+from ops.bank import ExpertWeights, random_expert_weights
 from ops.cpu_experts import (
     NativeExperts,
     QType,
@@ -19,10 +20,11 @@ from ops.cpu_experts import (
     load_native,
     native_available,
 )
-from ops.expert_ffn import expert_ffn_reference
+from ops.expert_ffn import expert_ffn, expert_ffn_reference, native_supports
+from ops.expert_math import ExpertMath
 
 # gate, up, down types; Q4_K gate/up + Q6_K down is the Q4_K_M layout, Q8_0 + Q4_K mixes two
-# activation formats in one layer
+# activation formats in one layer; MXFP4 is gpt-oss's
 FORMATS = [
     (QType.Q4_K, QType.Q4_K, QType.Q4_K),
     (QType.Q5_K, QType.Q5_K, QType.Q5_K),
@@ -31,6 +33,8 @@ FORMATS = [
     (QType.Q4_K, QType.Q4_K, QType.Q6_K),
     (QType.Q8_0, QType.Q4_K, QType.Q5_K),
     (QType.F16, QType.BF16, QType.F32),
+    (QType.MXFP4, QType.MXFP4, QType.MXFP4),
+    (QType.MXFP4, QType.Q4_K, QType.MXFP4),
 ]
 # build flags -> the SIMD path they must select on an x86 machine with AVX-512 VNNI
 VARIANTS = {(): None, ("-mno-avx512f",): "avx2", ("-DMOECACHE_SCALAR",): "scalar"}
@@ -44,6 +48,28 @@ INT8_ATOL = 3e-4
 FLOAT_ATOL = 1e-5
 
 HIDDEN, FF, NUM_EXPERTS = 512, 256, 6
+
+
+# a bank's math: activation and which of the gate / up / down biases (by expert id) it has; a limit of 0.5 makes
+# swiglu_oai's clamps bite on these weights (gate and up rms ~0.7 here)
+MATHS = {
+    "silu-biases": ("silu", "gud", 7.0),
+    "swiglu_oai": ("swiglu_oai", "", 7.0),
+    "swiglu_oai-biases": ("swiglu_oai", "gud", 7.0),
+    "swiglu_oai-clamped": ("swiglu_oai", "gud", 0.5),
+    "gelu": ("gelu", "", 7.0),
+    "gelu-gate-down-biases": ("gelu", "gd", 7.0),
+}
+MATH_FORMATS = [(QType.MXFP4, QType.MXFP4, QType.MXFP4), (QType.Q4_K, QType.Q4_K, QType.Q6_K)]
+
+
+def with_math(w: ExpertWeights, name: str, seed: int) -> ExpertWeights:
+    """w with math MATHS[name], its biases random (rms 0.5, another row per expert)."""
+    activation, which, limit = MATHS[name]
+    g = torch.Generator().manual_seed(seed)
+    bias = lambda key, n: torch.randn(w.num_experts, n, generator=g) * 0.5 if key in which else None  # noqa: E731
+    math = ExpertMath(activation, bias("g", w.ff), bias("u", w.ff), bias("d", w.hidden), limit=limit)  # type: ignore[arg-type]
+    return replace(w, math=math)
 
 
 def kernel(flags: tuple[str, ...]) -> NativeExperts:
@@ -86,6 +112,38 @@ def test_native_matches_reference(types: tuple[QType, QType, QType], flags: tupl
     assert torch.count_nonzero(out[2]) == 0  # the token without pairs
 
 
+@pytest.mark.parametrize("flags", list(VARIANTS), ids=["native", "avx2", "scalar"])
+@pytest.mark.parametrize("math", list(MATHS))
+@pytest.mark.parametrize("types", MATH_FORMATS, ids=lambda t: "-".join(q.name for q in t))
+def test_native_math_matches_reference(types: tuple[QType, QType, QType], math: str, flags: tuple[str, ...]) -> None:
+    lib = kernel(flags)
+    w = with_math(random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=1), math, seed=16)
+    x, token_ids, expert_ids, weights = routing(seed=2)
+    out = lib.ffn(x, token_ids, expert_ids, weights, w)
+    assert_close(out, expert_ffn_reference(x, token_ids, expert_ids, weights, w), types)
+    assert torch.count_nonzero(out[2]) == 0  # the token without pairs: no down bias either
+
+
+def test_expert_ffn_takes_the_native_kernel_for_any_math(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel(())
+    w = with_math(random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.MXFP4, seed=17), "swiglu_oai-biases", seed=18)
+    assert native_supports(w)
+    x, token_ids, expert_ids, weights = routing(seed=19)
+    expert_ids[0] = -1  # a skipped pair
+    monkeypatch.setattr("ops.expert_ffn.expert_ffn_reference", None)  # any other path fails
+    out = expert_ffn(x, token_ids, expert_ids, weights, w)
+    keep = expert_ids >= 0
+    assert torch.equal(out, load_native().ffn(x, token_ids[keep], expert_ids[keep], weights[keep], w))  # type: ignore[union-attr]
+
+
+def test_biases_of_another_shape_are_rejected() -> None:
+    lib = kernel(())
+    w = with_math(random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.MXFP4, seed=20), "silu-biases", seed=21)
+    w = replace(w, math=replace(w.math, up_bias=w.math.up_bias[:-1]))  # type: ignore[index]
+    with pytest.raises(ValueError, match="up_bias"):
+        lib.ffn(*routing(seed=22), w)
+
+
 @settings(max_examples=10, deadline=None)
 @example(num_tokens=6, num_pairs=2, seed=31)  # a spike in h: one block of h far above the others
 @given(num_tokens=st.integers(1, 12), num_pairs=st.integers(0, 40), seed=st.integers(0, 2**16))
@@ -118,6 +176,7 @@ def test_thread_count_does_not_change_the_result() -> None:
 
 @pytest.mark.parametrize(("types", "hidden", "ff"), [
     ((QType.Q8_0, QType.Q8_0, QType.Q8_0), 96, 160),  # odd block counts: the one-block tail of a pair
+    ((QType.MXFP4, QType.MXFP4, QType.MXFP4), 96, 160),
     ((QType.Q4_K, QType.Q5_K, QType.Q6_K), 256, 256),  # one super-block a row
 ])
 def test_short_rows_match_reference(types: tuple[QType, QType, QType], hidden: int, ff: int) -> None:
@@ -153,6 +212,14 @@ def test_torch_path_matches_reference(types: tuple[QType, QType, QType]) -> None
         pytest.skip(f"ops.quants cannot dequantize {missing}")
     w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=7)
     x, token_ids, expert_ids, weights = routing(seed=8)
+    out = expert_ffn_tiled(x, token_ids, expert_ids, weights, w)
+    assert rel_err(out, expert_ffn_reference(x, token_ids, expert_ids, weights, w)) < FLOAT_ATOL
+
+
+@pytest.mark.parametrize("math", list(MATHS))
+def test_torch_path_computes_the_math(math: str) -> None:
+    w = with_math(random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.MXFP4, seed=23), math, seed=24)
+    x, token_ids, expert_ids, weights = routing(seed=25)
     out = expert_ffn_tiled(x, token_ids, expert_ids, weights, w)
     assert rel_err(out, expert_ffn_reference(x, token_ids, expert_ids, weights, w)) < FLOAT_ATOL
 

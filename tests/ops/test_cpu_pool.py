@@ -13,28 +13,11 @@ import pytest
 import torch
 
 from ops.bank import ExpertWeights, random_expert_weights
-from ops.cpu_experts import NativeExperts, QType, load_native
+from ops.cpu_experts import NativeExperts, QType
+from tests.ops.test_cpu_experts import FORMATS
 
-# gate, up, down: every supported type, mixed types, and two activation formats in one layer
-FORMATS = [
-    (QType.Q4_K, QType.Q4_K, QType.Q4_K),
-    (QType.Q5_K, QType.Q5_K, QType.Q5_K),
-    (QType.Q6_K, QType.Q6_K, QType.Q6_K),
-    (QType.Q8_0, QType.Q8_0, QType.Q8_0),
-    (QType.Q4_K, QType.Q4_K, QType.Q6_K),
-    (QType.Q8_0, QType.Q4_K, QType.Q5_K),
-    (QType.F16, QType.BF16, QType.F32),
-]
 HIDDEN, FF, NUM_EXPERTS = 512, 256, 6
 MAX_THREADS = max(4, (os.cpu_count() or 1) + 1)  # more threads than cores: the busy-host case
-
-
-@pytest.fixture(scope="module")
-def lib() -> NativeExperts:
-    lib = load_native()
-    if lib is None:
-        pytest.skip("no C compiler")
-    return lib
 
 
 Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ExpertWeights]

@@ -4,7 +4,9 @@ the float reference, counters, bad input, and calls from threads no Python knows
 from __future__ import annotations
 
 import ctypes
+import gc
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,29 +15,12 @@ import torch
 
 from ops import native
 from ops.bank import ExpertWeights, random_expert_weights
-from ops.cpu_experts import ExpertTask, NativeExperts, QType, load_native
+from ops.cpu_experts import ExpertTask, NativeExperts, QType
 from ops.expert_ffn import expert_ffn_reference
-from tests.ops.test_cpu_experts import assert_close
+from tests.ops.test_cpu_experts import FORMATS, MATHS, assert_close, with_math
 
-FORMATS = [
-    (QType.Q4_K, QType.Q4_K, QType.Q4_K),
-    (QType.Q5_K, QType.Q5_K, QType.Q5_K),
-    (QType.Q6_K, QType.Q6_K, QType.Q6_K),
-    (QType.Q8_0, QType.Q8_0, QType.Q8_0),
-    (QType.Q4_K, QType.Q4_K, QType.Q6_K),
-    (QType.Q8_0, QType.Q4_K, QType.Q5_K),
-    (QType.F16, QType.BF16, QType.F32),
-]
 HIDDEN, FF, NUM_EXPERTS, MAX_TOKENS, TOP_K = 512, 256, 6, 7, 4
 HOST_THREADS = Path(__file__).resolve().parent / "csrc" / "host_threads.c"
-
-
-@pytest.fixture(scope="module")
-def lib() -> NativeExperts:
-    lib = load_native()
-    if lib is None:
-        pytest.skip("no C compiler")
-    return lib
 
 
 class Step:
@@ -90,6 +75,29 @@ def test_task_matches_the_float_reference(lib: NativeExperts, types: tuple[QType
     step.task.run()
     assert len(step.flagged()) > MAX_TOKENS
     assert_close(step.out, step.reference(), types)
+
+
+@pytest.mark.parametrize("math", list(MATHS))
+def test_task_computes_the_banks_math(lib: NativeExperts, math: str) -> None:
+    types = (QType.MXFP4, QType.MXFP4, QType.MXFP4)
+    w = with_math(random_expert_weights(NUM_EXPERTS, HIDDEN, FF, *types, seed=41), math, seed=42)
+    step = Step(lib, w, seed=43, num_tokens=MAX_TOKENS)
+    step.task.run()
+    assert torch.equal(step.out, step.expected(lib))
+    assert_close(step.out, step.reference(), types)
+
+
+def test_task_keeps_its_float32_biases(lib: NativeExperts) -> None:
+    """float64 biases: the task's float32 copies are the only ones, and must outlive the call that made them."""
+    w = with_math(random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.MXFP4, seed=44), "swiglu_oai-biases", seed=45)
+    m = w.math
+    wide = replace(w, math=replace(m, gate_bias=m.gate_bias.double(), up_bias=m.up_bias.double(),  # type: ignore[union-attr]
+                                   down_bias=m.down_bias.double()))  # type: ignore[union-attr]
+    step = Step(lib, wide, seed=46, num_tokens=MAX_TOKENS)
+    gc.collect()
+    torch.randn(64, HIDDEN, FF)  # reuses freed memory, if any was freed
+    step.task.run()
+    assert torch.equal(step.out, Step(lib, w, seed=46, num_tokens=MAX_TOKENS).expected(lib))
 
 
 def test_a_token_without_cpu_pairs_gets_a_zero_row(lib: NativeExperts) -> None:

@@ -74,13 +74,14 @@ def test_torch_attention_over_a_quantized_cache(qtypes: tuple[QType | None, QTyp
     generator = torch.Generator().manual_seed(2)
     q = torch.randn(5, 8, 128, generator=generator)
     slot_ids, positions = torch.tensor([0, 2, 1, 2, 0]), torch.tensor([0, 63, 17, 40, 5])
-    out = decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale, *qtypes)
+    out = decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale, k_qtype=qtypes[0],
+                                v_qtype=qtypes[1])
     assert torch.equal(out, decode_attention_sdpa(q, k_dense, v_dense, slot_ids, positions, scale))
     ref = decode_attention_sdpa(q, k_ref, v_ref, slot_ids, positions, scale)
     bound = max(OUTPUT_ERROR_BOUNDS.get(t, 0.0) for t in qtypes)  # type: ignore[arg-type]
     assert 0 < rel_rms(out, ref) < bound
     # a prefill chunk of slot 1 at positions 20..43 (causal), the same values
     q_chunk = torch.randn(24, 8, 128, generator=generator)
-    out = prefill_attention_sdpa(q_chunk, k_cache, v_cache, 1, 20, scale, *qtypes)
+    out = prefill_attention_sdpa(q_chunk, k_cache, v_cache, 1, 20, scale, k_qtype=qtypes[0], v_qtype=qtypes[1])
     assert torch.equal(out, prefill_attention_sdpa(q_chunk, k_dense, v_dense, 1, 20, scale))
     assert 0 < rel_rms(out, prefill_attention_sdpa(q_chunk, k_ref, v_ref, 1, 20, scale)) < bound

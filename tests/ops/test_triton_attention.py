@@ -136,7 +136,7 @@ def run_prefill_case(case: Case, device: torch.device, seed: int) -> float:
     slot = int(slot_ids[0])
     start = int(torch.randint(case.max_len - case.num_tokens + 1, (), generator=generator)) if seed % 2 else 0
     scale = case.head_dim ** -0.5
-    ref = prefill_attention_sdpa(q, k, v, slot, start, scale, *case.qtypes)
+    ref = prefill_attention_sdpa(q, k, v, slot, start, scale, k_qtype=case.k_qtype, v_qtype=case.v_qtype)
     k_dense, v_dense = (t.to(device) for t in dense_caches(case, k, v))
     q, k, v = q.to(device), k.to(device), v.to(device)
     out = prefill_attention(q, k, v, slot, start, scale, *case.qtypes)

@@ -11,6 +11,7 @@ import torch
 from engine.expert_cache.plan import CachePlan, GroupPlan
 from engine.expert_cache.policy import PolicyConfig
 from engine.expert_cache.replay import replay
+from engine.moe import TopKRouter
 from engine.trace import RoutingTrace
 from tools.routing import (
     LOCALITY_MODELS,
@@ -138,7 +139,7 @@ def test_replay_router_draws_ahead_without_changing_any_stream() -> None:
     """The router draws each stream's next token while the device computes; the tokens a step gets are
     those the stream would give without drawing ahead (a trace replays identically either way)."""
     trace = synthetic_trace("qwen3", 4, 16, 2, 40, seed=3)
-    ahead = ReplayRouter(TraceSource(trace), 4, 8, 2, norm_topk=True, device=torch.device("cpu"))
+    ahead = ReplayRouter(TraceSource(trace), 4, 8, TopKRouter(2, norm_topk=True), device=torch.device("cpu"))
     plain = TraceSource(trace)
     steps = [["a"] * 3, ["a"], ["a"], ["a", "b"], ["b", "a"], ["b"]]  # a prefill chunk, decode steps, a join
     for keys in steps:

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.arch import get_arch
+from engine.arch.base import HParams
+from engine.gguf.reader import GGUFFile
 from service.cli import main
 from tools.embedded_vocab import build_embedded_vocab
 from tools.routing import synthetic_trace
@@ -84,3 +87,50 @@ def test_kv_cache_counts_the_bytes_of_its_types(qwen3_30b: Path, capsys: pytest.
         assert plan["device_bytes"] == plan["cache_bytes"] + out["kv_cache"]["bytes"]
     both = plan_json(capsys, str(qwen3_30b), *one_long, "--kv-cache-dtype", "q8_0")
     assert both["kv_cache"] == runs[("q8_0", "q8_0")]["kv_cache"]
+
+
+# preset -> its MoE layers and the bytes of one expert (gate and up Q4_K; rows that are not whole 256-column
+# blocks fall back to Q8_0, 34 bytes per 32 columns; MXFP4: 17 bytes per 32 columns; Q4_0: 18 bytes per 32)
+REAL_SHAPES = {
+    "deepseek-v2-lite": (list(range(1, 27)), 2 * 1408 * 2048 // 256 * 144 + 2048 * 1408 // 32 * 34),
+    "gpt-oss-20b": (list(range(24)), 3 * 2880 * 2880 // 32 * 17),
+    "gemma4-26b-a4b": (list(range(30)), 3 * 704 * 2816 // 32 * 18),  # 3.35 MB
+}
+
+
+@pytest.mark.parametrize("preset", list(REAL_SHAPES))
+def test_plan_of_each_architecture_at_real_shapes(preset: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / f"{preset}.gguf"
+    write_synth(path, PRESETS[preset], build_embedded_vocab(), sparse=True)
+    layers, slot_bytes = REAL_SHAPES[preset]
+    group = plan_json(capsys, str(path), "--mib", "2000")["plans"][0]["groups"][0]
+    assert group["layers"] == layers and group["slot_bytes"] == slot_bytes
+    assert group["num_slots"] == 2000 * MiB // slot_bytes
+
+
+def layout_bytes(hp: HParams, slots: int, positions: int, k_type: str, v_type: str) -> int:
+    """The KV cache's bytes from the hyperparameters: MLA's latent once per token and layer; else each layer's
+    own K and V rows (none for a shared-KV layer), a row per kv head of that layer's head_dim."""
+    if hp.mla is not None:
+        return hp.num_layers * slots * positions * hp.mla.latent_dim * 2
+    row = {"bf16": lambda d: 2 * d, "q8_0": lambda d: d // 32 * 34, "q4_0": lambda d: d // 32 * 18}
+    return sum(slots * positions * hp.kv_heads_of(i) * (row[k_type](hp.head_dim_of(i)) + row[v_type](hp.head_dim_of(i)))
+               for i in range(hp.num_layers) if hp.kv_layer(i) == i)
+
+
+@pytest.mark.parametrize("preset", list(REAL_SHAPES))
+def test_kv_cache_of_each_architecture(preset: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / f"{preset}.gguf"
+    write_synth(path, PRESETS[preset], build_embedded_vocab(), sparse=True)
+    hp = get_arch(GGUFFile(path).architecture).hparams(GGUFFile(path).metadata, vocab_size=0)
+    args = ("--mib", "2000", "-c", "1024", "--max-num-seqs", "3")
+    out = plan_json(capsys, str(path), *args)
+    assert out["kv_cache"]["bytes"] == layout_bytes(hp, 4, 1024, "bf16", "bf16")
+    if hp.mla is not None:  # the latent cache stays in bf16
+        assert main(["plan", str(path), *args, "-ctk", "q8_0"]) == 2
+        err = capsys.readouterr().err
+        assert "MLA latent" in err and "got K q8_0, V bf16" in err and "--cache-type-k" in err
+        return
+    quantized = plan_json(capsys, str(path), *args, "-ctk", "q8_0", "-ctv", "q4_0")
+    assert quantized["kv_cache"]["bytes"] == layout_bytes(hp, 4, 1024, "q8_0", "q4_0")
+    assert 0 < quantized["kv_cache"]["bytes"] < out["kv_cache"]["bytes"]
