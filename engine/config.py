@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ops.kv_quant import KV_CACHE_TYPES
+
 MISS_MODES = ("cpu", "stream", "hybrid")
 POLICIES = ("lru", "decay", "lfru", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -46,6 +48,15 @@ class ModelConfig:
         "on cpu)"})
     max_context: int = field(default=4096, metadata={  # capped at the model's own context length
         "flag": ("-c", "--ctx-size"), "help": "context length per sequence"})
+    kv_cache_dtype: str = field(default="bf16", metadata={
+        "flag": "--kv-cache-dtype", "choices": tuple(KV_CACHE_TYPES), "help": "K and V cache: bf16 (unquantized, "
+        "in the activation dtype) or ggml's 8- and 4-bit blocks q8_0, q4_0"})
+    cache_type_k: str | None = field(default=None, metadata={  # None: kv_cache_dtype
+        "flag": ("-ctk", "--cache-type-k"), "choices": tuple(KV_CACHE_TYPES),
+        "help": "K cache type (default: --kv-cache-dtype)"})
+    cache_type_v: str | None = field(default=None, metadata={  # None: kv_cache_dtype
+        "flag": ("-ctv", "--cache-type-v"), "choices": tuple(KV_CACHE_TYPES),
+        "help": "V cache type (default: --kv-cache-dtype)"})
     cuda_graphs: bool = True  # decode steps as CUDA graphs where no host sync is needed
 
     def __post_init__(self) -> None:
@@ -53,6 +64,14 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
         if self.max_context < 2:
             raise ValueError("max_context must be at least 2")
+        for name in (self.kv_cache_dtype, self.cache_type_k, self.cache_type_v):
+            if name is not None and name not in KV_CACHE_TYPES:
+                raise ValueError(f"KV cache type must be one of {', '.join(KV_CACHE_TYPES)} (got {name!r})")
+
+    @property
+    def kv_types(self) -> tuple[str, str]:
+        """The K and V cache types."""
+        return self.cache_type_k or self.kv_cache_dtype, self.cache_type_v or self.kv_cache_dtype
 
 
 @dataclass(frozen=True)

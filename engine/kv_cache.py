@@ -1,8 +1,13 @@
 """A contiguous KV cache: one slot of `max_len` positions per running sequence.
 
-Each layer's keys and values are `[slots, kv_heads, max_len, head_dim]`. Layers of one shape are views of
-one tensor; where layers differ (Gemma 4: wider heads and fewer KV heads in its full-attention layers,
-nothing cached by its shared-KV layers) each layer has a tensor of its own."""
+Each layer's keys and values are `[slots, kv_heads, max_len, row]`. Layers of one shape are views of one
+tensor; where layers differ (Gemma 4: wider heads and fewer KV heads in its full-attention layers, nothing
+cached by its shared-KV layers) each layer has a tensor of its own.
+
+K and V rows are kept in the activation dtype (`bf16`: a row is `head_dim` values) or in ggml's q8_0 / q4_0
+blocks (`ops.kv_quant`: a row is its blocks' bytes), chosen separately for K and V: the write quantizes,
+the attention kernels dequantize as they read. A latent cache (multi-head latent attention, where keys and
+values are one tensor) is kept unquantized."""
 
 from __future__ import annotations
 
@@ -10,39 +15,59 @@ import torch
 
 from engine.arch.base import HParams
 from ops.fused import write_kv
+from ops.kv_quant import kv_qtype, zeros
+from ops.quants import QType
 
 LayerShape = tuple[int, int]  # (kv_heads, head_dim) of one layer's cache; 0 heads: the layer caches nothing
+
+KV_TYPE_FLAGS = "--kv-cache-dtype, -ctk/--cache-type-k, -ctv/--cache-type-v"
 
 
 class KVCache:
     def __init__(self, shapes: list[LayerShape], num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device, latent_values: int = 0) -> None:
+                 device: torch.device, latent_values: int = 0, k_type: str = "bf16", v_type: str = "bf16") -> None:
         """latent_values > 0: keys and values share one tensor (multi-head latent attention caches each token's
-        latent once): the values are the keys' first `latent_values` columns."""
+        latent once): the values are the keys' first `latent_values` columns. k_type, v_type: the K and V
+        rows' types (`ops.kv_quant.KV_CACHE_TYPES`)."""
+        self.k_qtype, self.v_qtype = kv_qtype(k_type), kv_qtype(v_type)
+        if latent_values and (self.k_qtype is not None or self.v_qtype is not None):
+            raise ValueError(f"a latent KV cache (keys and values in one tensor) is kept in bf16: "
+                             f"got K {k_type}, V {v_type} ({KV_TYPE_FLAGS})")
         self.num_slots, self.max_len, self.is_latent = num_slots, max_len, latent_values > 0
-        new = lambda heads, dim, n: torch.zeros((n, num_slots, heads, max_len, dim), dtype=dtype, device=device)  # noqa: E731
+
+        def new(heads: int, dim: int, n: int, qtype: QType | None) -> torch.Tensor:
+            return zeros((n, num_slots, heads, max_len), qtype, dim, dtype, device)
+
         if len(set(shapes)) == 1:  # one tensor for all layers
-            k = new(*shapes[0], len(shapes))
-            v = k[..., :latent_values] if latent_values else new(*shapes[0], len(shapes))
+            k = new(*shapes[0], len(shapes), self.k_qtype)
+            v = k[..., :latent_values] if latent_values else new(*shapes[0], len(shapes), self.v_qtype)
             self.storage = [k] if latent_values else [k, v]
             self.k, self.v = list(k.unbind(0)), list(v.unbind(0))
         else:
-            self.k = [new(heads, dim, 1)[0] for heads, dim in shapes]
-            self.v = [new(heads, dim, 1)[0] for heads, dim in shapes]
+            self.k = [new(heads, dim, 1, self.k_qtype)[0] for heads, dim in shapes]
+            self.v = [new(heads, dim, 1, self.v_qtype)[0] for heads, dim in shapes]
             self.storage = self.k + self.v
 
     @classmethod
-    def for_model(cls, hp: HParams, num_slots: int, max_len: int, dtype: torch.dtype,
-                  device: torch.device) -> KVCache:
+    def for_model(cls, hp: HParams, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                  k_type: str = "bf16", v_type: str = "bf16") -> KVCache:
+        """The cache of a model's layout; a quantized K or V type where the layout keeps its cache
+        unquantized (MLA's latent cache) is a ValueError naming the layout and the flags."""
+        check_kv_types(hp, k_type, v_type)
         if hp.mla is not None:  # [latent, rotary key] per token and layer
             return cls([(1, hp.mla.latent_dim)] * hp.num_layers, num_slots, max_len, dtype, device,
                        hp.mla.kv_lora_rank)
         shapes = [(hp.kv_heads_of(i) if hp.kv_layer(i) == i else 0, hp.head_dim_of(i)) for i in range(hp.num_layers)]
-        return cls(shapes, num_slots, max_len, dtype, device)
+        return cls(shapes, num_slots, max_len, dtype, device, 0, k_type, v_type)
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.storage)
+
+    @property
+    def qtypes(self) -> tuple[QType | None, QType | None]:
+        """The block formats of K and V (None: rows in the activation dtype)."""
+        return self.k_qtype, self.v_qtype
 
     def write(self, layer: int, slot_ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor | None) -> None:
@@ -52,12 +77,25 @@ class KVCache:
         elif v is None:
             raise ValueError("a key/value cache needs the values too")
         else:
-            write_kv(self.k[layer], self.v[layer], slot_ids, positions, k, v)
+            write_kv(self.k[layer], self.v[layer], slot_ids, positions, k, v, *self.qtypes)
 
     def window(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `length` positions of every slot (views): `[slots, kv_heads, length, head_dim]`."""
+        """The first `length` positions of every slot (views): `[slots, kv_heads, length, row]`, a row
+        `head_dim` values or a quantized row's bytes."""
         return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
 
-    def sequence(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One slot's first `length` positions (a view): `[kv_heads, length, head_dim]`."""
-        return self.k[layer][slot, :, :length], self.v[layer][slot, :, :length]
+
+def check_kv_types(hp: HParams, k_type: str, v_type: str) -> None:
+    """ValueError for a K / V type the model's cache layout does not take: MLA's latent cache (keys and values
+    in one tensor) is kept in bf16; the layouts with separate K and V take every type."""
+    if hp.mla is not None and (kv_qtype(k_type) is not None or kv_qtype(v_type) is not None):
+        raise ValueError(f"{hp.arch} caches an MLA latent (multi-head latent attention: keys and values in one "
+                         f"tensor), kept in bf16; quantized KV cache types are for models with separate K and V: "
+                         f"got K {k_type}, V {v_type} ({KV_TYPE_FLAGS})")
+
+
+def kv_cache_bytes(hp: HParams, num_slots: int, max_len: int, dtype: torch.dtype, k_type: str = "bf16",
+                   v_type: str = "bf16") -> int:
+    """Device bytes of a model's cache of these slots, positions and K / V types (dtype: the activation
+    dtype), counted on the meta device: nothing is allocated. Refuses what `KVCache.for_model` refuses."""
+    return KVCache.for_model(hp, num_slots, max_len, dtype, torch.device("meta"), k_type, v_type).num_bytes

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.arch import get_arch
 from engine.config import CacheConfig, EngineConfig
 from engine.detok import TextOutput
 from engine.expert_cache.cache import ExpertCache, build_expert_cache
@@ -20,7 +21,7 @@ from engine.expert_cache.record import StepRecord
 from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, check_kv_types
 from engine.model import Model, SeqSpan
 from engine.moe import Router
 from engine.runner import ModelRunner
@@ -80,6 +81,9 @@ class LLMEngine:
         self.config = config
         self.gguf = GGUFFile(config.model.path)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+        if config.model.kv_types != ("bf16", "bf16"):  # a type the model's layout refuses, before the weights load
+            check_kv_types(get_arch(self.gguf.architecture).hparams(self.gguf.metadata, vocab_size=0),
+                           *config.model.kv_types)
         self.device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, self.device)
         self.weights = load_weights(self.gguf, self.device, dtype, _bytes_progress(progress, self.gguf))
@@ -87,7 +91,7 @@ class LLMEngine:
         max_len = min(config.model.max_context, hp.context_length)
         sched = replace(config.scheduler, max_model_len=max_len)
         # one slot per sequence, plus a scratch slot for the padding rows of captured batches
-        self.kv = KVCache.for_model(hp, sched.max_num_seqs + 1, max_len, dtype, self.device)
+        self.kv = KVCache.for_model(hp, sched.max_num_seqs + 1, max_len, dtype, self.device, *config.model.kv_types)
         self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages)
         self.scheduler = Scheduler(sched)
         self.cache: ExpertCache = self._build_cache(config.cache)

@@ -18,7 +18,7 @@ from engine.kv_cache import KVCache
 from engine.layers import swiglu
 from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
 from engine.weights import Attention, DenseFFN, Layer, ModelWeights, MoE
-from ops.fused import add_rms_norm, attention, causal_mask, decode_attention, qk_norm_rope, rms_norm
+from ops.fused import add_rms_norm, decode_attention, prefill_attention, qk_norm_rope, rms_norm
 
 
 @dataclass(frozen=True)
@@ -207,18 +207,17 @@ class Model:
 
     def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
                          sinks: torch.Tensor | None) -> torch.Tensor:
-        keys, values = kv.window(i, batch.kv_length)  # [slots, kv_heads, kv_length, head_dim] views
+        keys, values = kv.window(i, batch.kv_length)  # [slots, kv_heads, kv_length, row] views
         return decode_attention(q, keys, values, batch.slot_ids, batch.positions, self.scale, self.hp.window(i),
-                                sinks)
+                                sinks, k_qtype=kv.k_qtype, v_qtype=kv.v_qtype)
 
     def prefill_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
                           sinks: torch.Tensor | None) -> torch.Tensor:
         outs, row = [], 0
         for span in batch.spans:
-            keys, values = kv.sequence(i, span.slot, span.end)  # [kv_heads, end, head_dim]
-            q_seq = q[row:row + span.num_tokens].transpose(0, 1)  # [heads, tokens, head_dim]
-            mask = causal_mask(torch.arange(span.start, span.end, device=q.device), span.end, self.hp.window(i))
-            out = attention(q_seq[None], keys[None], values[None], mask, self.scale, sinks)
-            outs.append(out[0].transpose(0, 1))
+            keys, values = kv.window(i, span.end)  # [slots, kv_heads, end, row] views
+            outs.append(prefill_attention(q[row:row + span.num_tokens], keys, values, span.slot, span.start,
+                                          self.scale, self.hp.window(i), sinks, k_qtype=kv.k_qtype,
+                                          v_qtype=kv.v_qtype))
             row += span.num_tokens
         return torch.cat(outs)

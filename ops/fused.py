@@ -1,5 +1,5 @@
 """The small per-layer operations of the forward pass (RMSNorm with the residual add, q/k norm + rotary
-embedding, router top-k, decode attention), each with its torch reference.
+embedding, router top-k, attention over the KV cache and its write), each with its torch reference.
 
 On CUDA with Triton each is one fused launch (`ops/triton/fused.py`, `ops/triton/attention.py`)
 instead of 5-8 torch ops: a decode step issues a few dozen launches per layer, and at batch 1 their
@@ -16,6 +16,9 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from ops.kv_quant import dense, quantize_rows, row_bytes
+from ops.quants import QType
 
 RopeStyle = Literal["neox", "normal"]
 
@@ -118,43 +121,65 @@ def routed_weights(logits: torch.Tensor, expert_ids: torch.Tensor, norm_topk: bo
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                     positions: torch.Tensor, scale: float, window: int = 0,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q `[n, heads, head_dim]`; caches `[slots, kv_heads, length, head_dim]` (a view of the first
-    `length` positions): token i attends to positions 0..positions[i] of slot slot_ids[i], the last `window`
-    of them where window > 0. Values may be narrower than keys (a latent cache's view). sinks: float32
-    `[heads]`, each head's sink logit in the softmax (`attention`)."""
-    if _fused(q) and _fits_decode_kernel(q, k_cache, v_cache) and not window and sinks is None:
+                     positions: torch.Tensor, scale: float, window: int = 0, sinks: torch.Tensor | None = None, *,
+                     k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
+    """q `[n, heads, head_dim]`; caches `[slots, kv_heads, length, row]` (a view of the first `length`
+    positions; rows of q's dtype, or uint8 blocks of k_qtype / v_qtype): token i attends to positions
+    0..positions[i] of slot slot_ids[i], the last `window` of them where window > 0. Values may be narrower
+    than keys (a latent cache's view). sinks: float32 `[heads]`, each head's sink logit in the softmax
+    (`attention`)."""
+    if _fused(q) and _fits_attention_kernel(q, k_cache, v_cache, k_qtype, v_qtype) and not window and sinks is None:
         from ops.triton.attention import decode_attention as fused_attention
-        return fused_attention(q, k_cache, v_cache, slot_ids, positions, scale)
-    return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale, window, sinks)
+        return fused_attention(q, k_cache, v_cache, slot_ids, positions, scale, k_qtype=k_qtype, v_qtype=v_qtype)
+    return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale, window, sinks, k_qtype=k_qtype,
+                                 v_qtype=v_qtype)
 
 
-def _fits_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The Triton kernel's shapes: one head size for q, k and v, a power of two in [16, 256]."""
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, start: int,
+                      scale: float, window: int = 0, sinks: torch.Tensor | None = None, *,
+                      k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's chunk: q `[n, heads, head_dim]` at positions start..start+n-1 of
+    slot `slot` of one layer's caches `[slots, kv_heads, length, row]` (length at least start+n); token i
+    attends to 0..start+i (the last `window` of them where window > 0); sinks as in `decode_attention`."""
+    quantized = k_qtype is not None or v_qtype is not None  # unquantized: SDPA's flash kernels
+    if (quantized and _fused(q) and _fits_attention_kernel(q, k_cache, v_cache, k_qtype, v_qtype) and not window
+            and sinks is None):
+        from ops.triton.attention import prefill_attention as fused_prefill
+        return fused_prefill(q, k_cache, v_cache, slot, start, scale, k_qtype, v_qtype)
+    return prefill_attention_sdpa(q, k_cache, v_cache, slot, start, scale, window, sinks, k_qtype=k_qtype,
+                                  v_qtype=v_qtype)
+
+
+def _fits_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_qtype: QType | None,
+                           v_qtype: QType | None) -> bool:
+    """The Triton kernels' shapes: one head size for q, k and v, a power of two in [16, 256] (the caches'
+    rows that many values, or their quantized bytes)."""
     head_dim = q.shape[-1]
-    return (k_cache.shape == v_cache.shape and k_cache.shape[-1] == head_dim and 16 <= head_dim <= 256
-            and head_dim & (head_dim - 1) == 0)
+    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0) or k_cache.shape[:-1] != v_cache.shape[:-1]:
+        return False
+    return all(cache.shape[-1] == (head_dim if qtype is None else row_bytes(qtype, head_dim, q.dtype))
+               for cache, qtype in ((k_cache, k_qtype), (v_cache, v_qtype)))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
-    """k, v `[tokens, kv_heads, head_dim]` into one layer's caches `[slots, kv_heads, max_len, head_dim]`
-    at (slot_ids[i], positions[i])."""
+             k: torch.Tensor, v: torch.Tensor, k_qtype: QType | None = None, v_qtype: QType | None = None) -> None:
+    """k, v `[tokens, kv_heads, head_dim]` into one layer's caches `[slots, kv_heads, max_len, row]` at
+    (slot_ids[i], positions[i]), quantized to k_qtype / v_qtype blocks where given."""
     if _fused(k):
         from ops.triton.attention import write_kv as fused_write_kv
-        fused_write_kv(k_cache, v_cache, slot_ids, positions, k, v)
+        fused_write_kv(k_cache, v_cache, slot_ids, positions, k, v, k_qtype, v_qtype)
     else:
-        write_kv_torch(k_cache, v_cache, slot_ids, positions, k, v)
+        write_kv_torch(k_cache, v_cache, slot_ids, positions, k, v, k_qtype, v_qtype)
 
 
 # --- torch references ------------------------------------------------------------------------------------
 
 
 def write_kv_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
-                   k: torch.Tensor, v: torch.Tensor) -> None:
-    k_cache[slot_ids, :, positions] = k
-    v_cache[slot_ids, :, positions] = v
+                   k: torch.Tensor, v: torch.Tensor, k_qtype: QType | None = None,
+                   v_qtype: QType | None = None) -> None:
+    k_cache[slot_ids, :, positions] = k if k_qtype is None else quantize_rows(k, k_qtype)
+    v_cache[slot_ids, :, positions] = v if v_qtype is None else quantize_rows(v, v_qtype)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -222,10 +247,24 @@ def routed_weights_torch(logits: torch.Tensor, expert_ids: torch.Tensor, norm_to
 
 def decode_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                           positions: torch.Tensor, scale: float, window: int = 0,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
-    keys, values = k_cache[slot_ids], v_cache[slot_ids]  # [n, kv_heads, length, head_dim]
+                          sinks: torch.Tensor | None = None, *, k_qtype: QType | None = None,
+                          v_qtype: QType | None = None) -> torch.Tensor:
+    head_dim = q.shape[-1]
+    keys = dense(k_cache[slot_ids], k_qtype, head_dim, q.dtype)  # [n, kv_heads, length, head_dim]
+    values = dense(v_cache[slot_ids], v_qtype, head_dim, q.dtype)
     mask = causal_mask(positions, keys.shape[2], window)  # [n, length]
     return attention(q[:, :, None, :], keys, values, mask[:, None, None, :], scale, sinks)[:, :, 0, :]
+
+
+def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, start: int,
+                           scale: float, window: int = 0, sinks: torch.Tensor | None = None, *,
+                           k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
+    end, head_dim = start + q.shape[0], q.shape[-1]
+    keys = dense(k_cache[slot, :, :end], k_qtype, head_dim, q.dtype)  # [kv_heads, end, head_dim]
+    values = dense(v_cache[slot, :, :end], v_qtype, head_dim, q.dtype)
+    mask = causal_mask(torch.arange(start, end, device=q.device), end, window)
+    out = attention(q.transpose(0, 1)[None], keys[None], values[None], mask, scale, sinks)
+    return out[0].transpose(0, 1)
 
 
 def causal_mask(query_positions: torch.Tensor, length: int, window: int = 0) -> torch.Tensor:

@@ -5,7 +5,7 @@ Each format is one small class registered by its ggml type: `block_size` weights
 bit-exact against `gguf.quants.dequantize`: the same float operations in the same order (fp16 scales
 widened to float32 first, products formed as the reference forms them). Everything is plain torch,
 vectorised over blocks, so the same code runs on CUDA tensors. The K-quant quantizers follow llama.cpp's
-reference quantizers (`quantize_row_q{4,5,6}_K_ref`); Q8_0 matches gguf's quantizer bit for bit.
+reference quantizers (`quantize_row_q{4,5,6}_K_ref`); Q8_0 and Q4_0 match gguf's quantizers bit for bit.
 """
 
 from __future__ import annotations
@@ -186,6 +186,14 @@ class Q4_0(QuantFormat, qtype=QType.Q4_0):
     def dequantize_blocks(cls, blocks: torch.Tensor) -> torch.Tensor:
         q = _unpack(blocks[:, 2:], 4).flatten(1).float() - 8  # [n, 32]
         return _f16(blocks[:, :2]) * q
+
+    @classmethod
+    def quantize_blocks(cls, blocks: torch.Tensor) -> torch.Tensor:
+        # d from the signed value of largest magnitude (the first of ties), which maps to code 0
+        peak = blocks.gather(1, blocks.abs().argmax(1, keepdim=True))
+        d = peak / -8
+        q = torch.trunc(blocks * torch.where(d == 0, 0.0, 1 / d) + 8.5).clamp(0, 15).to(torch.uint8)
+        return torch.cat([_f16_bytes(d), _pack(q.view(-1, 2, 16), 4)], dim=1)
 
 
 class Q4_1(QuantFormat, qtype=QType.Q4_1):

@@ -61,9 +61,11 @@ def _value_type(hint: Any) -> type:
     return typing.cast(type, hint)
 
 
-def add_options(group: argparse._ActionsContainer, cls: type) -> None:
-    """An argparse option for each flagged field of `cls`."""
+def add_options(group: argparse._ActionsContainer, cls: type, names: Iterable[str] | None = None) -> None:
+    """An argparse option for each flagged field of `cls` (only those of `names` where given)."""
     for option in options_of(cls):
+        if names is not None and option.field.name not in names:
+            continue
         meta = option.field.metadata
         help_text = argparse.SUPPRESS if meta.get("hidden") else _help(meta.get("help", ""), option)
         if option.kind is bool:

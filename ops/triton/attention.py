@@ -7,6 +7,11 @@ split of the positions): it reads its chunk of K/V once for all the q heads of t
 by their log-sum-exp. Splits past a token's position do no work; loop bounds come from the loaded
 positions and the grid from the shapes only, so a step can be captured in a CUDA graph. This
 replaces a gather (a full copy of K/V), a mask and SDPA.
+
+A cache of q8_0 or q4_0 rows (`ops.kv_quant`) is dequantized tile by tile as the kernels read it, to q's
+dtype, the same values as the torch reference's dequantized cache. `prefill_attention` is the causal
+attention of a chunk of one sequence over such a cache (an unquantized one goes through SDPA), and the
+KV write quantizes rows as it stores them.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import torch
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
+from ops.kv_quant import check_head_dim, dense, row_bytes
+from ops.quants import QType
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_vector, interpreting
 
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # (token, kv head, split) programs: ~2 per SM of a 132-SM H100/H200 (untuned)
 _MIN_SPLIT_LEN = 256  # shorter splits add partials to combine for little K/V each; 256 keeps the smallest
 # KV bucket of a captured decode step at one split, without the combine launch (H200: docs/benchmarks.md)
+KV_BITS = {None: 0, QType.Q8_0: 8, QType.Q4_0: 4}  # the kernels' code of each cache type: bits per value
 
 
 @triton.jit
@@ -40,9 +48,44 @@ def _dot(a, b, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _rounded(x, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
+    # float32 -> DTYPE to nearest even. WIDEN (the interpreter, bf16): its cast truncates (Triton 3.9), so
+    # the rounding is done on the bits, as the GPU's cast and torch's do it
+    if WIDEN:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = x.to(DTYPE)
+    return out
+
+
+@triton.jit
+def _kv_tile(row, pos, cols, s_pos, mask, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr):
+    # values at (pos, cols) of one (slot, kv head)'s rows (any broadcast shape, [D, BN] or [BN, D]) in
+    # DTYPE. q8_0 / q4_0 rows are 32-value blocks: fp16 d, then int8 codes or 16 bytes of 4-bit codes
+    # offset by 8 (low nibbles first); values d * code in float32, rounded to DTYPE (masked ones 0)
+    if BITS == 0:
+        tile = tl.load(row + pos * s_pos + cols, mask=mask, other=0.0)
+    else:
+        block = row + pos * s_pos + (cols // 32) * (2 + 4 * BITS)
+        lo = tl.load(block, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(block + 1, mask=mask, other=0).to(tl.uint16)
+        d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        j = cols % 32
+        if BITS == 8:
+            code = tl.load(block + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            byte = tl.load(block + 2 + j % 16, mask=mask, other=0)
+            code = ((byte >> (j // 16 * 4).to(tl.uint8)) & 15).to(tl.float32) - 8.0
+        tile = _rounded(d * code, DTYPE, WIDEN)
+    return tile
+
+
+@triton.jit
 def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_ids, positions, max_len,
                   split_len, o, lse, qk_scale, GROUP: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr,
-                  D: tl.constexpr, WIDEN: tl.constexpr):
+                  D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, WIDEN: tl.constexpr):
     # program (token, kv head, split); rows of the tile are the group's q heads (padded to BG >= 16
     # for tl.dot), so K/V is read once per group. Scores are in the log2 domain (exp2 is cheaper).
     token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -63,14 +106,16 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
     for n0 in range(start, end, BN):
         offs = n0 + tl.arange(0, BN)
         valid = offs < end
-        kt = tl.load(k_base + offs[None, :] * k_s2 + cols[:, None], mask=valid[None, :], other=0.0)  # [D, BN]
+        kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], q.dtype.element_ty, K_BITS,
+                      WIDEN)  # [D, BN]
         s = _dot(q_tile, kt, WIDEN) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds a valid position
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_base + offs[:, None] * v_s2 + cols[None, :], mask=valid[:, None], other=0.0)  # [BN, D]
+        vt = _kv_tile(v_base, offs[:, None], cols[None, :], v_s2, valid[:, None], q.dtype.element_ty, V_BITS,
+                      WIDEN)  # [BN, D]
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, WIDEN)
         m = m_new
     # o and lse are [tokens, heads, splits(, D)]; with one split o is the output itself
@@ -110,14 +155,18 @@ def default_num_splits(num_tokens: int, kv_heads: int, max_len: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                     positions: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+                     positions: torch.Tensor, scale: float, num_splits: int | None = None,
+                     k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
     """q `[n, num_heads, head_dim]`; k_cache, v_cache `[num_slots, kv_heads, max_len, head_dim]` (any
     strides but the last: a view of the first `length` positions splits by `length`); slot_ids,
     positions int32/int64 `[n]` -> `[n, num_heads, head_dim]` in q's dtype. Token i attends to
     positions 0..positions[i] of slot slot_ids[i]; head h reads kv head h // (num_heads // kv_heads).
     num_splits: chunks of the positions (None: `default_num_splits`, from the shapes only).
+    k_qtype, v_qtype: a cache of q8_0 / q4_0 rows, uint8 `[..., row_bytes]` (None: rows in q's dtype).
     NOTE: slot_ids in [0, num_slots) and positions in [0, max_len) are not checked (no host sync)."""
-    n, num_heads, head_dim = _check(q, k_cache, v_cache, slot_ids, positions)
+    n, num_heads, head_dim = _check_caches(q, k_cache, v_cache, k_qtype, v_qtype)
+    check_vector("slot_ids", slot_ids, n, INDEX_DTYPES, q.device)
+    check_vector("positions", positions, n, INDEX_DTYPES, q.device)
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty((n, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if n == 0:
@@ -136,89 +185,224 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, q.stride(0), q.stride(1), k_cache, v_cache, *k_cache.stride()[:3], *v_cache.stride()[:3],
         slot_ids, positions, max_len, split_len, o, lse, scale * _LOG2E,
         GROUP=group, BG=max(16, triton.next_power_of_2(group)), BN=block_n, D=head_dim,
-        WIDEN=interpreting() and q.dtype == torch.bfloat16, num_warps=8)
+        K_BITS=KV_BITS[k_qtype], V_BITS=KV_BITS[v_qtype], WIDEN=interpreting() and q.dtype == torch.bfloat16,
+        num_warps=8)
     if splits > 1:
         _combine_kernel[(n, num_heads)](o, lse, positions, max_len, split_len, splits, out, D=head_dim,
                                         num_warps=1 if head_dim <= 128 else 2)
     return out
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-           positions: torch.Tensor) -> tuple[int, int, int]:
+def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_qtype: QType | None,
+                  v_qtype: QType | None) -> tuple[int, int, int]:
     device = q.device
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_device(name, t, device)
-        if t.dtype not in FLOAT_DTYPES or t.dtype != q.dtype:
-            raise ValueError(f"{name}: expected the dtype of q, one of {FLOAT_DTYPES}, got {t.dtype}")
+    check_device("q", q, device)
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q: expected one of {FLOAT_DTYPES}, got {q.dtype}")
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"q: expected [n, num_heads, head_dim] with contiguous rows, got {tuple(q.shape)} "
                          f"strides {q.stride()}")
     n, num_heads, head_dim = q.shape
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"q: head_dim must be a power of two in [16, 256], got {head_dim}")
-    if k_cache.dim() != 4 or k_cache.shape[3] != head_dim or k_cache.stride(3) != 1:
-        raise ValueError(f"k_cache: expected [num_slots, kv_heads, max_len, {head_dim}] with contiguous rows, "
-                         f"got {tuple(k_cache.shape)} strides {k_cache.stride()}")
-    if v_cache.shape != k_cache.shape or v_cache.stride(3) != 1:
-        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)} with contiguous rows, "
-                         f"got {tuple(v_cache.shape)} strides {v_cache.stride()}")
+    for name, cache, qtype in (("k_cache", k_cache, k_qtype), ("v_cache", v_cache, v_qtype)):
+        _check_cache(name, cache, qtype, q.dtype, head_dim, device)
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache: expected the slots, kv heads and positions of k_cache {tuple(k_cache.shape)}, "
+                         f"got {tuple(v_cache.shape)}")
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
     if kv_heads == 0 or num_heads % kv_heads or max_len == 0:
         raise ValueError(f"k_cache: {kv_heads} kv heads and {max_len} positions do not serve {num_heads} heads")
-    check_vector("slot_ids", slot_ids, n, INDEX_DTYPES, device)
-    check_vector("positions", positions, n, INDEX_DTYPES, device)
     return n, num_heads, head_dim
 
 
+def _check_cache(name: str, cache: torch.Tensor, qtype: QType | None, dtype: torch.dtype, head_dim: int,
+                 device: torch.device) -> None:
+    """`[num_slots, kv_heads, max_len, row]` with contiguous rows: `dtype` values or uint8 blocks of qtype."""
+    check_device(name, cache, device)
+    if qtype not in KV_BITS:
+        raise ValueError(f"{name}: no kernel reads a {qtype} cache (types: {', '.join(map(str, KV_BITS))})")
+    check_head_dim(qtype, head_dim)
+    expected = dtype if qtype is None else torch.uint8
+    if cache.dtype != expected:
+        raise ValueError(f"{name}: expected {expected} rows (the dtype of q, or uint8 blocks of a quantized type), "
+                         f"got {cache.dtype}")
+    row = row_bytes(qtype, head_dim, dtype) // expected.itemsize
+    if cache.dim() != 4 or cache.shape[3] != row or cache.stride(3) != 1:
+        raise ValueError(f"{name}: expected [num_slots, kv_heads, max_len, {row}] with contiguous rows, "
+                         f"got {tuple(cache.shape)} strides {cache.stride()}")
+
+
 @triton.jit
-def _write_kv_kernel(k, v, k_s0, k_s1, v_s0, v_s1, k_cache, v_cache, c_s0, c_s1, c_s2, num_slots, slot_ids,
-                     positions, max_len, head_dim, BLOCK: tl.constexpr):
+def _prefill_kernel(q, q_s0, q_s1, k, v, k_s1, k_s2, v_s1, v_s2, start, num_tokens, o, o_s0, o_s1, qk_scale,
+                    GROUP: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                    K_BITS: tl.constexpr, V_BITS: tl.constexpr, WIDEN: tl.constexpr):
+    # program (block of BM tokens, kv head) of one sequence; rows of the tile are (token, q head of the
+    # group) pairs, so K/V is read once per block and group. Causal: the token at position p reads 0..p.
+    block, kv_head = tl.program_id(0), tl.program_id(1)
+    rows, cols = tl.arange(0, BM * BG), tl.arange(0, D)
+    token = block * BM + rows // BG
+    heads = kv_head * GROUP + rows % BG
+    is_row = (token < num_tokens) & (rows % BG < GROUP)
+    query_pos = start + tl.minimum(token, num_tokens - 1)  # [rows]; padding rows repeat the last token
+    q_tile = tl.load(q + token[:, None].to(tl.int64) * q_s0 + heads[:, None] * q_s1 + cols[None, :],
+                     mask=is_row[:, None], other=0.0)
+    k_base, v_base = k + kv_head * k_s1, v + kv_head * v_s1
+    end = start + tl.minimum(block * BM + BM, num_tokens)  # keys of the block's last token, + 1
+    m = tl.full([BM * BG], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BM * BG], tl.float32)
+    acc = tl.zeros([BM * BG, D], tl.float32)
+    for n0 in range(0, end, BN):
+        offs = n0 + tl.arange(0, BN)
+        valid = offs < end
+        kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], q.dtype.element_ty, K_BITS,
+                      WIDEN)
+        s = _dot(q_tile, kt, WIDEN) * qk_scale
+        s = tl.where(offs[None, :] <= query_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: position 0 is in the first block of every row
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        vt = _kv_tile(v_base, offs[:, None], cols[None, :], v_s2, valid[:, None], q.dtype.element_ty, V_BITS,
+                      WIDEN)
+        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, WIDEN)
+        m = m_new
+    out = o + token[:, None].to(tl.int64) * o_s0 + heads[:, None] * o_s1 + cols[None, :]
+    tl.store(out, (acc / l_sum[:, None]).to(o.dtype.element_ty), mask=is_row[:, None])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, start: int,
+                      scale: float, k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's chunk: q `[n, num_heads, head_dim]` at positions start..start+n-1
+    of slot `slot` of the caches (as `decode_attention`'s), whose positions 0..start+n-1 hold its keys and
+    values -> `[n, num_heads, head_dim]` in q's dtype; token i attends to positions 0..start+i."""
+    n, num_heads, head_dim = _check_caches(q, k_cache, v_cache, k_qtype, v_qtype)
+    num_slots, kv_heads, max_len = k_cache.shape[:3]
+    if not 0 <= slot < num_slots or start < 0 or start + n > max_len:
+        raise ValueError(f"slot {slot} and positions {start}..{start + n - 1} are outside the caches' "
+                         f"{num_slots} slots of {max_len} positions")
+    out = torch.empty((n, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    group = num_heads // kv_heads
+    bg = triton.next_power_of_2(group)
+    rows = 64 if head_dim <= 128 else 32  # (token, head) rows of a tile; untuned
+    block_m = max(1, rows // bg)
+    k, v = k_cache[slot], v_cache[slot]  # [kv_heads, max_len, row] views
+    _prefill_kernel[(triton.cdiv(n, block_m), kv_heads)](
+        q, q.stride(0), q.stride(1), k, v, *k.stride()[:2], *v.stride()[:2], start, n, out, out.stride(0),
+        out.stride(1), scale * _LOG2E, GROUP=group, BG=bg, BM=block_m, BN=32, D=head_dim,
+        K_BITS=KV_BITS[k_qtype], V_BITS=KV_BITS[v_qtype], WIDEN=interpreting() and q.dtype == torch.bfloat16,
+        num_warps=4)
+    return out
+
+
+@triton.jit
+def _quantize_row(src, dst, head_dim, NB: tl.constexpr, BITS: tl.constexpr):
+    # one row of head_dim float values -> its blocks of 32 as gguf's quantizers make them (each division
+    # rounded to nearest, launched without fp fusion so that products are rounded before the adds)
+    blocks = tl.arange(0, NB)
+    in_row = blocks < head_dim // 32
+    dst_block = dst + blocks * (2 + 4 * BITS)  # [NB]
+    if BITS == 8:
+        j = tl.arange(0, 32)[None, :]
+        x = tl.load(src + blocks[:, None] * 32 + j, mask=in_row[:, None], other=0.0).to(tl.float32)  # [NB, 32]
+        d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
+        scaled = x * tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))[:, None]
+        a = tl.abs(scaled)
+        floored = tl.floor(a)
+        rounded = floored + tl.floor(2 * (a - floored))  # C roundf: halves away from zero
+        codes = tl.where(scaled < 0, -rounded, rounded).to(tl.int8).to(tl.uint8, bitcast=True)
+        tl.store(dst_block[:, None] + 2 + j, codes, mask=in_row[:, None])
+    else:
+        j = tl.arange(0, 16)[None, :]  # low nibbles hold values 0..15 of a block, high ones 16..31
+        lo = tl.load(src + blocks[:, None] * 32 + j, mask=in_row[:, None], other=0.0).to(tl.float32)  # [NB, 16]
+        hi = tl.load(src + blocks[:, None] * 32 + 16 + j, mask=in_row[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))[:, None]
+        first = tl.minimum(tl.min(tl.where(tl.abs(lo) == amax, j, 32), axis=1),
+                           tl.min(tl.where(tl.abs(hi) == amax, j + 16, 32), axis=1))[:, None]
+        peak = tl.sum(tl.where(j == first, lo, 0.0), axis=1) + tl.sum(tl.where(j + 16 == first, hi, 0.0), axis=1)
+        d = tl.math.div_rn(peak, -8.0)  # the signed value of largest magnitude (the first one) is code 0
+        inv = tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))[:, None]
+        code_lo = tl.minimum(tl.maximum((lo * inv + 8.5).to(tl.int32), 0), 15)  # truncated, as gguf
+        code_hi = tl.minimum(tl.maximum((hi * inv + 8.5).to(tl.int32), 0), 15)
+        tl.store(dst_block[:, None] + 2 + j, (code_lo | (code_hi << 4)).to(tl.uint8), mask=in_row[:, None])
+    bits = d.to(tl.float16).to(tl.uint16, bitcast=True)
+    tl.store(dst_block, (bits & 255).to(tl.uint8), mask=in_row)
+    tl.store(dst_block + 1, (bits >> 8).to(tl.uint8), mask=in_row)
+
+
+@triton.jit
+def _write_row(src, dst, head_dim, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    if BITS == 0:
+        cols = tl.arange(0, BLOCK)
+        tl.store(dst + cols, tl.load(src + cols, mask=cols < head_dim), mask=cols < head_dim)
+    else:
+        _quantize_row(src, dst, head_dim, BLOCK // 32, BITS)
+
+
+@triton.jit
+def _write_kv_kernel(k, v, k_s0, k_s1, v_s0, v_s1, k_cache, v_cache, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
+                     num_slots, slot_ids, positions, max_len, head_dim, BLOCK: tl.constexpr, K_BITS: tl.constexpr,
+                     V_BITS: tl.constexpr):
     # program (token, kv head): its key and value rows into (slot, head, position) of both caches
     token, head = tl.program_id(0), tl.program_id(1)
     # NOTE: slots and positions in range are the caller's invariant; the clamps keep a bad one inside
     slot = tl.minimum(tl.maximum(tl.load(slot_ids + token).to(tl.int64), 0), num_slots - 1)
-    cols = tl.arange(0, BLOCK)
-    in_row = cols < head_dim
-    dst = slot * c_s0 + head * c_s1 + _last_position(positions, token, max_len) * c_s2 + cols
-    tl.store(k_cache + dst, tl.load(k + token.to(tl.int64) * k_s0 + head * k_s1 + cols, mask=in_row), mask=in_row)
-    tl.store(v_cache + dst, tl.load(v + token.to(tl.int64) * v_s0 + head * v_s1 + cols, mask=in_row), mask=in_row)
+    position = _last_position(positions, token, max_len)
+    _write_row(k + token.to(tl.int64) * k_s0 + head * k_s1, k_cache + slot * kc_s0 + head * kc_s1 + position * kc_s2,
+               head_dim, BLOCK, K_BITS)
+    _write_row(v + token.to(tl.int64) * v_s0 + head * v_s1, v_cache + slot * vc_s0 + head * vc_s1 + position * vc_s2,
+               head_dim, BLOCK, V_BITS)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
+             k: torch.Tensor, v: torch.Tensor, k_qtype: QType | None = None, v_qtype: QType | None = None) -> None:
     """k, v `[n, kv_heads, head_dim]` (head_dim contiguous, any other strides) stored at (slot_ids[i],
-    positions[i]) of the caches `[num_slots, kv_heads, max_len, head_dim]` (one layer, the same strides):
-    one launch for both. (slot, position) pairs are distinct (a decode or prefill batch)."""
+    positions[i]) of the caches `[num_slots, kv_heads, max_len, row]` (one layer): rows of k's dtype, or
+    quantized to uint8 blocks of k_qtype / v_qtype. One launch for both. (slot, position) pairs are
+    distinct (a decode or prefill batch)."""
     device = k_cache.device
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+    unquantized = [c.dtype for c, qtype in ((k_cache, k_qtype), (v_cache, v_qtype)) if qtype is None]
+    dtype = unquantized[0] if unquantized else k.dtype  # the rows' dtype
+    for name, t in (("k", k), ("v", v)):
         check_device(name, t, device)
-        if t.dtype != k_cache.dtype or t.stride(-1) != 1:
-            raise ValueError(f"{name}: expected {k_cache.dtype} with contiguous rows, got {t.dtype} "
-                             f"strides {t.stride()}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"v_cache: expected the shape and strides of k_cache, got {tuple(v_cache.shape)} "
-                         f"{v_cache.stride()} and {tuple(k_cache.shape)} {k_cache.stride()}")
-    num_slots, kv_heads, max_len, head_dim = k_cache.shape
-    n = k.shape[0]
-    if k.shape != (n, kv_heads, head_dim) or v.shape != k.shape:
-        raise ValueError(f"k, v: expected [n, {kv_heads}, {head_dim}], got {tuple(k.shape)}, {tuple(v.shape)}")
+        if t.dtype != dtype or dtype not in FLOAT_DTYPES or t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected {dtype} (the rows of an unquantized cache, one of {FLOAT_DTYPES}) "
+                             f"with contiguous rows, got {t.dtype} strides {t.stride()}")
+    n, kv_heads, head_dim = k.shape if k.dim() == 3 else (0, 0, 0)
+    for name, cache, qtype in (("k_cache", k_cache, k_qtype), ("v_cache", v_cache, v_qtype)):
+        _check_cache(name, cache, qtype, k.dtype, head_dim, device)
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache: expected the slots, kv heads and positions of k_cache {tuple(k_cache.shape)}, "
+                         f"got {tuple(v_cache.shape)}")
+    num_slots, cache_heads, max_len = k_cache.shape[:3]
+    if k.dim() != 3 or cache_heads != kv_heads or v.shape != k.shape:
+        raise ValueError(f"k, v: expected [n, {cache_heads}, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}")
     check_vector("slot_ids", slot_ids, n, INDEX_DTYPES, device)
     check_vector("positions", positions, n, INDEX_DTYPES, device)
     if n:
         _write_kv_kernel[(n, kv_heads)](k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache, v_cache,
-                                        *k_cache.stride()[:3], num_slots, slot_ids, positions, max_len, head_dim,
-                                        BLOCK=triton.next_power_of_2(head_dim), num_warps=1)
+                                        *k_cache.stride()[:3], *v_cache.stride()[:3], num_slots, slot_ids, positions,
+                                        max_len, head_dim, BLOCK=max(32, triton.next_power_of_2(head_dim)),
+                                        K_BITS=KV_BITS[k_qtype], V_BITS=KV_BITS[v_qtype], num_warps=1,
+                                        enable_fp_fusion=False)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
-                           positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """The reference: per token, the slot's keys up to its position, kv heads repeated, float32 softmax."""
-    group = q.shape[1] // k_cache.shape[1]
+                           positions: torch.Tensor, scale: float, k_qtype: QType | None = None,
+                           v_qtype: QType | None = None) -> torch.Tensor:
+    """The reference: per token, the slot's keys up to its position (dequantized to q's dtype), kv heads
+    repeated, float32 softmax."""
+    group, head_dim = q.shape[1] // k_cache.shape[1], q.shape[2]
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         slot, last = int(slot_ids[i]), int(positions[i])
-        keys = k_cache[slot, :, :last + 1].float().repeat_interleave(group, dim=0)  # [heads, len, head_dim]
-        values = v_cache[slot, :, :last + 1].float().repeat_interleave(group, dim=0)
+        keys = dense(k_cache[slot, :, :last + 1], k_qtype, head_dim, q.dtype)
+        values = dense(v_cache[slot, :, :last + 1], v_qtype, head_dim, q.dtype)
+        keys = keys.float().repeat_interleave(group, dim=0)  # [heads, len, head_dim]
+        values = values.float().repeat_interleave(group, dim=0)
         scores = (keys @ q[i].float()[:, :, None])[:, :, 0] * scale  # [heads, len]
         out[i] = (torch.softmax(scores, dim=-1)[:, None, :] @ values)[:, 0].to(q.dtype)
     return out
+

@@ -1,5 +1,6 @@
 """`moecache plan`: how a model's routed experts would be placed and cached for a budget, and with a
-recorded routing trace, the hit rate each policy would get (replayed through the real policy code)."""
+recorded routing trace, the hit rate each policy would get (replayed through the real policy code); the
+KV cache the context, sequences and K / V types take beside it."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ import json
 import sys
 from dataclasses import asdict
 
+import torch
+
 from engine.arch import get_arch
 from engine.arch.base import layer_tensor
-from engine.config import POLICIES, CacheConfig
+from engine.config import POLICIES, CacheConfig, ModelConfig, SchedulerConfig
 from engine.expert_cache.placement import MiB
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache, smallest_useful_budget
 from engine.expert_cache.policy import PolicyConfig
 from engine.expert_cache.replay import profile_from_trace, replay
 from engine.gguf.reader import GGUFFile
+from engine.kv_cache import kv_cache_bytes
 from engine.trace import RoutingTrace
 from ops.bank import expert_bytes
-from service.options import default_of
+from service.options import add_options, default_of
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="a routing trace (--record-trace) to replay through each policy")
     p.add_argument("--max-cached-batch", type=int, default=default_of(CacheConfig, "max_cached_batch"))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    kv = p.add_argument_group("KV cache (bf16 activations, as on CUDA)")
+    add_options(kv, ModelConfig, ("max_context", "kv_cache_dtype", "cache_type_k", "cache_type_v"))
+    add_options(kv, SchedulerConfig, ("max_num_seqs",))
     p.set_defaults(run=run)
     return p
 
@@ -52,12 +59,26 @@ def host_layers(gguf: GGUFFile, n_cpu_moe: int) -> list[LayerExperts]:
     return layers[:n_cpu_moe] if n_cpu_moe else layers
 
 
-def describe(plan: CachePlan, layers: list[LayerExperts], max_batch: int) -> dict:
+def kv_cache(gguf: GGUFFile, args: argparse.Namespace) -> dict:
+    """The engine's KV cache for the options: its bytes, types and dimensions."""
+    model = ModelConfig(max_context=args.ctx_size, kv_cache_dtype=args.kv_cache_dtype,
+                        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    hp = get_arch(gguf.architecture).hparams(gguf.metadata, vocab_size=0)  # the vocabulary does not size it
+    positions = min(model.max_context, hp.context_length)
+    k_type, v_type = model.kv_types
+    # one slot per sequence, plus the engine's scratch slot
+    size = kv_cache_bytes(hp, args.max_num_seqs + 1, positions, torch.bfloat16, k_type, v_type)
+    return {"bytes": size, "k_type": k_type, "v_type": v_type, "positions": positions,
+            "sequences": args.max_num_seqs}
+
+
+def describe(plan: CachePlan, layers: list[LayerExperts], max_batch: int, kv_bytes: int) -> dict:
     smallest = smallest_useful_budget(layers)
     groups = [{**asdict(g), "cache_bytes": g.cache_bytes, "share": g.share, "largest_cached_batch": max_batch}
               for g in plan.groups]
     return {"budget_mib": plan.budget_bytes // MiB, "cache_bytes": plan.cache_bytes, "share": plan.share,
-            "smallest_useful_mib": smallest // MiB, "groups": groups, "warnings": list(plan.warnings)}
+            "device_bytes": plan.cache_bytes + kv_bytes, "smallest_useful_mib": smallest // MiB, "groups": groups,
+            "warnings": list(plan.warnings)}
 
 
 def predicted_hit_rates(trace_path: str, plan: CachePlan) -> dict[str, float]:
@@ -83,29 +104,32 @@ def budgets(args: argparse.Namespace, layers: list[LayerExperts]) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     gguf = GGUFFile(args.model)
     layers = host_layers(gguf, args.n_cpu_moe)
+    kv = kv_cache(gguf, args)
     results = []
     for budget in budgets(args, layers):
         plan = plan_cache(layers, budget)
-        result = describe(plan, layers, args.max_cached_batch)
+        result = describe(plan, layers, args.max_cached_batch, kv["bytes"])
         if args.trace:
             result["predicted_hit_ratio"] = predicted_hit_rates(args.trace, plan)
         results.append(result)
     host_bytes = sum(x.expert_bytes * x.num_experts for x in layers)
     if args.json:
-        json.dump({"model": str(gguf.path), "host_expert_bytes": host_bytes, "plans": results}, sys.stdout,
-                  indent=2)
+        json.dump({"model": str(gguf.path), "host_expert_bytes": host_bytes, "kv_cache": kv, "plans": results},
+                  sys.stdout, indent=2)
         print()
     else:
-        print_table(gguf, layers, host_bytes, results)
+        print_table(gguf, layers, host_bytes, kv, results)
     return 0
 
 
-def print_table(gguf: GGUFFile, layers: list[LayerExperts], host_bytes: int, results: list[dict]) -> None:
+def print_table(gguf: GGUFFile, layers: list[LayerExperts], host_bytes: int, kv: dict, results: list[dict]) -> None:
     print(f"{gguf.path}: {len(layers)} MoE layers with experts in host RAM, {host_bytes / 2**30:.2f} GiB of "
           f"routed experts; smallest useful cache {results[0]['smallest_useful_mib']} MiB")
+    print(f"KV cache: {kv['bytes'] / MiB:.0f} MiB (K {kv['k_type']}, V {kv['v_type']}; {kv['sequences']} sequences "
+          f"of {kv['positions']} positions)")
     for r in results:
         print(f"\nbudget {r['budget_mib']} MiB -> cache {r['cache_bytes'] / MiB:.0f} MiB, "
-              f"{r['share']:.1%} of host experts")
+              f"{r['share']:.1%} of host experts; with the KV cache {r['device_bytes'] / MiB:.0f} MiB")
         print(f"  {'group':>5} {'layers':>10} {'slot MiB':>9} {'slots':>6} {'share':>7} {'max batch':>9}")
         for g in r["groups"]:
             span = f"{g['layers'][0]}-{g['layers'][-1]}" if g["layers"] else "-"

@@ -16,8 +16,9 @@ ALL_TYPES = [
 ]  # fmt: skip
 FLOAT_TYPES = [QType.F32, QType.F16, QType.BF16]
 # relative RMS error of a round trip on Gaussian weights; measured on 16M weights: Q8_0 0.535%,
-# Q6_K 1.77%, Q5_K 3.62%, Q4_K 7.18% (a scalar port of llama.cpp's *_ref quantizers: 1.78%, 3.63%, 7.14%)
-ROUND_TRIP_BOUNDS = {QType.Q8_0: 0.006, QType.Q6_K: 0.019, QType.Q5_K: 0.038, QType.Q4_K: 0.075}
+# Q6_K 1.77%, Q5_K 3.62%, Q4_K 7.18% (a scalar port of llama.cpp's *_ref quantizers: 1.78%, 3.63%, 7.14%),
+# Q4_0 8.59%
+ROUND_TRIP_BOUNDS = {QType.Q8_0: 0.006, QType.Q6_K: 0.019, QType.Q5_K: 0.038, QType.Q4_K: 0.075, QType.Q4_0: 0.09}
 QUANTIZABLE = [*FLOAT_TYPES, *ROUND_TRIP_BOUNDS, QType.MXFP4]
 MXFP4_ROUND_TRIP = 0.12  # e2m1 codes under a power-of-two scale: measured 11.5% on Gaussian weights
 F16_EXTREMES = [0x7BFF, 0xFBFF, 0x0400, 0x8400, 0x0001, 0x8001, 0x0000, 0x8000]  # +-max, +-min normal, ...
@@ -125,11 +126,13 @@ def test_round_trip_error_on_gaussian_weights(qtype: QType) -> None:
     assert rel_rms(y, x) < ROUND_TRIP_BOUNDS[qtype]
 
 
-# worst |error| over a block's largest magnitude seen on mixed data: 0.0077, 0.016, 0.049, 0.086
-BLOCK_ERROR_BOUNDS = {QType.Q8_0: 0.01, QType.Q6_K: 0.03, QType.Q5_K: 0.08, QType.Q4_K: 0.15}
+# worst |error| over a block's largest magnitude seen on mixed data: 0.0077, 0.016, 0.049, 0.086; Q4_0:
+# d = -peak / 8, so a value of -peak's size is clamped to code 15 (7 d): an error of d = peak / 8
+BLOCK_ERROR_BOUNDS = {QType.Q8_0: 0.01, QType.Q6_K: 0.03, QType.Q5_K: 0.08, QType.Q4_K: 0.15, QType.Q4_0: 0.126}
 # NOTE: the block scales are f16: below 2**-14 they are subnormal, rounded to 2**-25 at worst, and that
 # error is multiplied by the largest code x sub-scale (scale and min terms for Q4_K / Q5_K)
-LARGEST_CODE_X_SCALE = {QType.Q8_0: 127, QType.Q6_K: 32 * 128, QType.Q5_K: 2 * 31 * 63, QType.Q4_K: 2 * 15 * 63}
+LARGEST_CODE_X_SCALE = {QType.Q8_0: 127, QType.Q6_K: 32 * 128, QType.Q5_K: 2 * 31 * 63, QType.Q4_K: 2 * 15 * 63,
+                        QType.Q4_0: 8}
 BLOCK_ERROR_FLOORS = {qtype: n * 2.0 ** -25 for qtype, n in LARGEST_CODE_X_SCALE.items()}
 
 
@@ -159,12 +162,24 @@ def test_quantized_blocks_decode_the_same_in_gguf(
     assert ((ours - x).abs() <= BLOCK_ERROR_BOUNDS[qtype] * peak + BLOCK_ERROR_FLOORS[qtype]).all()
 
 
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0], ids=lambda t: t.name)
 @settings(max_examples=50, deadline=None)
 @given(x=st.lists(st.floats(-1e4, 1e4), min_size=64, max_size=64))  # rounded to float32 below
-def test_q8_0_quantizer_matches_gguf_byte_for_byte(x: list[float]) -> None:
+def test_32_weight_quantizers_match_gguf_byte_for_byte(qtype: QType, x: list[float]) -> None:
     data = torch.tensor(x).view(2, 32)
-    expected = gguf.quants.quantize(data.numpy(), QType.Q8_0)
-    assert torch.equal(quants.quantize(data, QType.Q8_0), torch.from_numpy(expected))
+    expected = gguf.quants.quantize(data.numpy(), qtype)
+    assert torch.equal(quants.quantize(data, qtype), torch.from_numpy(expected))
+
+
+def test_q4_0_scale_comes_from_the_first_largest_magnitude_as_gguf() -> None:
+    # rows 0 and 1: a tie between +8 and -8, in both orders; -8 first gives d = 1, +8 first d = -1
+    x = torch.zeros(2, 32)
+    x[0, 3], x[0, 9], x[1, 3], x[1, 9] = -8.0, 8.0, 8.0, -8.0
+    raw = quants.quantize(x, QType.Q4_0)
+    assert torch.equal(raw, torch.from_numpy(gguf.quants.quantize(x.numpy(), QType.Q4_0)))
+    assert raw[:, :2].contiguous().view(torch.float16).flatten().tolist() == [1.0, -1.0]
+    y = quants.dequantize(raw, QType.Q4_0, 32)
+    assert y[0, 3] == -8 and y[0, 9] == 7 and y[1, 3] == 8 and y[1, 9] == -7  # code 16 is clamped to 15
 
 
 @settings(max_examples=25, deadline=None)
@@ -205,8 +220,8 @@ def test_float_formats_round_trip_through_their_dtype(qtype: QType) -> None:
 
 
 def test_formats_without_quantizer_raise_value_error_naming_the_type() -> None:
-    with pytest.raises(ValueError, match="Q4_0 has no quantizer.*Q4_K"):
-        quants.quantize(torch.zeros(2, 32), QType.Q4_0)
+    with pytest.raises(ValueError, match="Q4_1 has no quantizer.*Q4_K"):
+        quants.quantize(torch.zeros(2, 32), QType.Q4_1)
     assert {t for t in ALL_TYPES if quants.format_of(t).can_quantize} == set(QUANTIZABLE)
 
 

@@ -1,4 +1,7 @@
-"""The Triton decode attention (`ops.triton.attention`) against the torch reference `decode_attention_torch`.
+"""The Triton decode attention (`ops.triton.attention`) against the torch reference `decode_attention_torch`,
+the prefill attention against SDPA (`ops.fused.prefill_attention_sdpa`), and the KV write against indexed
+writes; over unquantized caches and caches of q8_0 / q4_0 rows (`ops.kv_quant`), where the kernels must
+equal themselves over the dequantized cache bit for bit (the same values, the same math).
 
 Fresh random inputs every run: positions anywhere in the cache (0 and max_len - 1 included),
 shuffled slots that several tokens may share, one split or many. On CUDA the memory the launcher's
@@ -21,8 +24,16 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU attention kernels need it")
 
-from ops.fused import write_kv_torch  # noqa: E402
-from ops.triton.attention import decode_attention, decode_attention_torch, default_num_splits, write_kv  # noqa: E402
+from ops.fused import prefill_attention_sdpa, write_kv_torch  # noqa: E402
+from ops.kv_quant import dense, quantize_rows, row_bytes  # noqa: E402
+from ops.quants import QType  # noqa: E402
+from ops.triton.attention import (  # noqa: E402
+    decode_attention,
+    decode_attention_torch,
+    default_num_splits,
+    prefill_attention,
+    write_kv,
+)
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 
 # |out - ref| <= ATOL + RTOL * |ref| elementwise, ref in the same dtype. float32: the kernels use
@@ -44,6 +55,12 @@ class Case:
     num_slots: int = 6
     num_splits: int | None = None  # None: the launcher's default
     view_len: int | None = None  # pass a view of the first view_len positions of the cache
+    k_qtype: QType | None = None  # K and V caches of quantized rows (None: rows of dtype)
+    v_qtype: QType | None = None
+
+    @property
+    def qtypes(self) -> tuple[QType | None, QType | None]:
+        return self.k_qtype, self.v_qtype
 
 
 def random_inputs(case: Case, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -62,7 +79,16 @@ def random_inputs(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
     slot_ids = torch.randint(case.num_slots, (case.num_tokens,), generator=generator)
     slot_ids[-1] = slot_ids[0]
     order = torch.randperm(case.num_tokens, generator=generator)
+    if case.k_qtype is not None:
+        k = quantize_rows(k, case.k_qtype)
+    if case.v_qtype is not None:
+        v = quantize_rows(v, case.v_qtype)
     return q, k, v, slot_ids[order], positions[order]
+
+
+def dense_caches(case: Case, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches' values in the case's dtype (the dequantized rows of a quantized one)."""
+    return dense(k, case.k_qtype, case.head_dim, case.dtype), dense(v, case.v_qtype, case.head_dim, case.dtype)
 
 
 def poison_allocator(device: torch.device, num_bytes: int) -> None:
@@ -89,10 +115,32 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     if case.view_len is not None:
         k, v = k[:, :, :case.view_len], v[:, :, :case.view_len]
     scale = case.head_dim ** -0.5
-    ref = decode_attention_torch(q, k, v, slot_ids, positions, scale)
+    ref = decode_attention_torch(q, k, v, slot_ids, positions, scale, *case.qtypes)
+    k_dense, v_dense = (t.to(device) for t in dense_caches(case, k, v))
     q, k, v, slot_ids, positions = (t.to(device) for t in (q, k, v, slot_ids, positions))
     poison_allocator(device, 64 << 20)
-    out = decode_attention(q, k, v, slot_ids, positions, scale, num_splits=case.num_splits)
+    out = decode_attention(q, k, v, slot_ids, positions, scale, num_splits=case.num_splits, k_qtype=case.k_qtype,
+                           v_qtype=case.v_qtype)
+    if case.qtypes != (None, None):
+        same = decode_attention(q, k_dense, v_dense, slot_ids, positions, scale, num_splits=case.num_splits)
+        assert torch.equal(out, same), f"{case} seed {seed}: not the values of the dequantized cache"
+    return assert_close(case, out, ref, seed)
+
+
+def run_prefill_case(case: Case, device: torch.device, seed: int) -> float:
+    """The prefill kernel for a chunk of case.num_tokens tokens of one slot at a random start (0 included)
+    vs SDPA over the (dequantized) cache; asserts and returns the max abs error."""
+    generator = torch.Generator().manual_seed(seed)
+    _, k, v, slot_ids, _ = random_inputs(case, generator)
+    q = torch.randn(case.num_tokens, case.num_heads, case.head_dim, generator=generator).to(case.dtype)
+    slot = int(slot_ids[0])
+    start = int(torch.randint(case.max_len - case.num_tokens + 1, (), generator=generator)) if seed % 2 else 0
+    scale = case.head_dim ** -0.5
+    ref = prefill_attention_sdpa(q, k, v, slot, start, scale, k_qtype=case.k_qtype, v_qtype=case.v_qtype)
+    k_dense, v_dense = (t.to(device) for t in dense_caches(case, k, v))
+    q, k, v = q.to(device), k.to(device), v.to(device)
+    out = prefill_attention(q, k, v, slot, start, scale, *case.qtypes)
+    assert torch.equal(out, prefill_attention(q, k_dense, v_dense, slot, start, scale)), f"{case} seed {seed}"
     return assert_close(case, out, ref, seed)
 
 
@@ -118,36 +166,59 @@ def check_rejects_bad_inputs(device: torch.device) -> None:
         ("positions", inputs(positions=torch.tensor([5.0, 3.0], device=device))),
         ("num_splits", inputs(num_splits=0)),
     ]
+    q8 = torch.zeros(3, 2, 32, 68, dtype=torch.uint8, device=device)  # q8_0 rows of head_dim 64
+    bad += [
+        ("dtype", inputs(k_cache=q8)),  # bytes without their type
+        ("k_cache", inputs(k_cache=q8[..., :64], k_qtype=QType.Q8_0)),  # rows of the wrong size
+        ("multiple of 32", inputs(q=torch.randn(2, 8, 16, device=device), k_cache=q8[..., :16],
+                                  v_cache=k[..., :16], k_qtype=QType.Q8_0)),
+        ("no kernel reads", inputs(k_cache=q8, k_qtype=QType.Q5_0)),
+    ]
     for match, kwargs in bad:
         with pytest.raises(ValueError, match=match):
             decode_attention(**kwargs)  # type: ignore[arg-type]
+    out = decode_attention(**inputs(k_cache=q8, k_qtype=QType.Q8_0))  # type: ignore[arg-type]
+    assert out.shape == (2, 8, 64)
+    with pytest.raises(ValueError, match="outside the caches"):
+        prefill_attention(torch.randn(4, 8, 64, device=device), q8, q8, 1, 30, 0.125, QType.Q8_0, QType.Q8_0)
+
+
+def random_cache(shape: tuple[int, ...], qtype: QType | None, head_dim: int, dtype: torch.dtype,
+                 generator: torch.Generator) -> torch.Tensor:
+    """Random rows `[*shape, row]`: values of dtype, or random bytes of a quantized cache."""
+    if qtype is None:
+        return torch.randn((*shape, head_dim), generator=generator).to(dtype)
+    return torch.randint(256, (*shape, row_bytes(qtype, head_dim, dtype)), generator=generator, dtype=torch.uint8)
 
 
 def check_write_kv(device: torch.device, seed: int, num_tokens: int = 5, dtype: torch.dtype = torch.bfloat16,
-                   head_dim: int = 32) -> None:
-    """The one-launch KV write equals two indexed writes, bit for bit: k and v as the strided views of a
-    fused q/k/v projection, distinct (slot, position) pairs including the cache's last position; every
-    other entry of the caches unchanged."""
+                   head_dim: int = 32, k_qtype: QType | None = None, v_qtype: QType | None = None) -> None:
+    """The one-launch KV write equals two indexed writes, bit for bit (quantized rows: as `ops.quants`
+    quantizes them): k and v as the strided views of a fused q/k/v projection, distinct (slot, position)
+    pairs including the cache's last position; every other entry of the caches unchanged."""
     generator = torch.Generator().manual_seed(seed)
     slots, kv_heads, max_len = 4, 2, 96
-    k_cache = torch.randn(3, slots, kv_heads, max_len, head_dim, generator=generator).to(dtype)  # 3 layers
-    v_cache = torch.randn(k_cache.shape, generator=generator).to(dtype)
+    k_cache = random_cache((3, slots, kv_heads, max_len), k_qtype, head_dim, dtype, generator)  # 3 layers
+    v_cache = random_cache((3, slots, kv_heads, max_len), v_qtype, head_dim, dtype, generator)
     last = slots * max_len - 1  # the last position of the last slot, always written
     cells = torch.cat([torch.tensor([last]), torch.randperm(last, generator=generator)[:num_tokens - 1]])
     slot_ids, positions = cells // max_len, cells % max_len
-    qkv = torch.randn(num_tokens, 3 * kv_heads * head_dim, generator=generator).to(dtype)
+    qkv = (torch.randn(num_tokens, 3 * kv_heads * head_dim, generator=generator) * 4).to(dtype)
+    qkv[0, kv_heads * head_dim:kv_heads * head_dim + 32] = 0  # a zero block of k: d = 0
     k = qkv[:, kv_heads * head_dim:2 * kv_heads * head_dim].view(num_tokens, kv_heads, head_dim)
     v = qkv[:, 2 * kv_heads * head_dim:].view(num_tokens, kv_heads, head_dim)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    write_kv_torch(ref_k[1], ref_v[1], slot_ids, positions, k, v)
+    write_kv_torch(ref_k[1], ref_v[1], slot_ids, positions, k, v, k_qtype, v_qtype)
     out_k, out_v = k_cache.clone().to(device), v_cache.clone().to(device)  # .to(cpu) would not copy
-    write_kv(out_k[1], out_v[1], slot_ids.to(device), positions.to(device), k.to(device), v.to(device))
+    ids, pos = slot_ids.to(device), positions.to(device)
+    write_kv(out_k[1], out_v[1], ids, pos, k.to(device), v.to(device), k_qtype, v_qtype)
     assert torch.equal(out_k.cpu(), ref_k) and torch.equal(out_v.cpu(), ref_v), f"seed {seed}"
     assert not torch.equal(ref_k, k_cache), "the reference wrote something"
     with pytest.raises(ValueError, match="v_cache"):
-        write_kv(out_k[1], out_v[1, :, :, :8], slot_ids.to(device), positions.to(device), k.to(device), v.to(device))
-    with pytest.raises(ValueError, match="k:"):
-        write_kv(out_k[1], out_v[1], slot_ids.to(device), positions.to(device), k.half().to(device), v.to(device))
+        write_kv(out_k[1], out_v[1, :, :, :8], ids, pos, k.to(device), v.to(device), k_qtype, v_qtype)
+    if (k_qtype, v_qtype) == (None, None):
+        with pytest.raises(ValueError, match="k:"):
+            write_kv(out_k[1], out_v[1], ids, pos, k.half().to(device), v.to(device))
 
 
 # --- CUDA -----------------------------------------------------------------------------------------
@@ -213,6 +284,44 @@ def test_write_kv_matches_indexed_writes(num_tokens: int) -> None:
     check_write_kv(CUDA, fresh_seed(), num_tokens, head_dim=80)  # not a power of two: masked columns
 
 
+QTYPE_PAIRS = [(QType.Q8_0, QType.Q8_0), (QType.Q4_0, QType.Q4_0), (QType.Q8_0, QType.Q4_0), (None, QType.Q8_0)]
+
+
+def qtype_ids(pair: tuple[QType | None, QType | None]) -> str:
+    return "-".join(t.name.lower() if t else "bf16" for t in pair)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtypes", QTYPE_PAIRS, ids=qtype_ids)
+@pytest.mark.parametrize("num_tokens", [1, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantized_cache_matches_reference(dtype: torch.dtype, num_tokens: int,
+                                           qtypes: tuple[QType | None, QType | None]) -> None:
+    run_case(Case(num_tokens, 32, 4, 128, dtype, max_len=2048, k_qtype=qtypes[0], v_qtype=qtypes[1]), CUDA,
+             fresh_seed())
+    run_case(Case(3, 16, 2, 64, dtype, max_len=640, k_qtype=qtypes[0], v_qtype=qtypes[1]), CUDA, fresh_seed())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtypes", [*QTYPE_PAIRS, (None, None)], ids=qtype_ids)
+@pytest.mark.parametrize("heads", [(32, 4), (8, 8)], ids=["gqa32-4", "mha8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_matches_sdpa(dtype: torch.dtype, heads: tuple[int, int],
+                              qtypes: tuple[QType | None, QType | None]) -> None:
+    for num_tokens, head_dim in ((300, 128), (17, 64), (1, 256)):
+        case = Case(num_tokens, *heads, head_dim, dtype, max_len=1024, k_qtype=qtypes[0], v_qtype=qtypes[1])
+        for seed in range(2):  # an odd seed starts the chunk past position 0
+            run_prefill_case(case, CUDA, 2 * fresh_seed() + seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtypes", QTYPE_PAIRS, ids=qtype_ids)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_kv_quantizes_as_the_reference(dtype: torch.dtype, qtypes: tuple[QType | None, QType | None]) -> None:
+    for num_tokens, head_dim in ((1, 128), (300, 128), (32, 96)):  # 96: three blocks, padded to four
+        check_write_kv(CUDA, fresh_seed(), num_tokens, dtype, head_dim, *qtypes)
+
+
 @pytest.mark.gpu
 def test_launcher_rejects_bad_inputs() -> None:
     check_rejects_bad_inputs(CUDA)
@@ -250,6 +359,24 @@ INTERPRETER_CHECKS = [(str(c), lambda seed, c=c: run_case(c, torch.device("cpu")
 INTERPRETER_CHECKS.append(("validation", lambda seed: check_rejects_bad_inputs(torch.device("cpu"))))
 INTERPRETER_CHECKS.append(("kv write", lambda seed: check_write_kv(torch.device("cpu"), seed, dtype=torch.float32)))
 INTERPRETER_CHECKS.append(("kv write 24", lambda seed: check_write_kv(torch.device("cpu"), seed, head_dim=24)))
+QUANTIZED_CASES = [
+    Case(3, 8, 2, 32, torch.bfloat16, max_len=200, k_qtype=QType.Q8_0, v_qtype=QType.Q4_0),
+    Case(2, 4, 1, 64, torch.float32, max_len=150, num_splits=3, k_qtype=QType.Q4_0, v_qtype=QType.Q8_0),
+    Case(2, 4, 2, 32, torch.bfloat16, max_len=100, num_splits=2, k_qtype=None, v_qtype=QType.Q4_0, view_len=70),
+]
+INTERPRETER_CHECKS += [(str(c), lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in QUANTIZED_CASES]
+PREFILL_CASES = [  # chunks of several token blocks and key blocks; the first one at a random start
+    Case(40, 8, 2, 32, torch.bfloat16, max_len=100, k_qtype=QType.Q8_0, v_qtype=QType.Q4_0),
+    Case(21, 4, 4, 64, torch.float32, max_len=64, k_qtype=QType.Q4_0, v_qtype=None),
+    Case(9, 4, 1, 32, torch.float32, max_len=48),
+]
+INTERPRETER_CHECKS += [(f"prefill {c}", lambda seed, c=c: run_prefill_case(c, torch.device("cpu"), seed))
+                       for c in PREFILL_CASES]
+INTERPRETER_CHECKS += [
+    (f"kv write {qtype_ids(pair)} {dtype}", lambda seed, pair=pair, dtype=dtype: check_write_kv(
+        torch.device("cpu"), seed, 7, dtype, 96, *pair))
+    for pair, dtype in ((QTYPE_PAIRS[2], torch.bfloat16), (QTYPE_PAIRS[1], torch.float32),
+                        (QTYPE_PAIRS[3], torch.bfloat16))]
 
 
 @needs_no_cuda

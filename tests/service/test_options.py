@@ -70,6 +70,7 @@ def test_a_flag_beats_its_variable_and_empty_keeps_the_default(monkeypatch: pyte
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("MOECACHE_PORT", "eighty", "invalid value 'eighty' (from the flag or MOECACHE_PORT)"),
     ("MOECACHE_MISS_MODE", "gpu", "'gpu' (from the flag or MOECACHE_MISS_MODE) is not one of cpu, stream, hybrid"),
+    ("MOECACHE_CACHE_TYPE_K", "f32", "'f32' (from the flag or MOECACHE_CACHE_TYPE_K) is not one of bf16, q8_0, q4_0"),
 ])
 def test_a_bad_variable_is_a_usage_error_of_its_command(monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str], name: str, value: str,
@@ -80,6 +81,16 @@ def test_a_bad_variable_is_a_usage_error_of_its_command(monkeypatch: pytest.Monk
     assert exit_.value.code == 2 and message in capsys.readouterr().err
     # another command, which has no such option, is not affected
     assert build_parser().parse_args(["synth", "x.gguf"]).command == "synth"
+
+
+def test_kv_cache_types_per_k_and_v_and_a_bad_one_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "q8_0", "-ctv", "q4_0"])
+    assert serve_config(args).model.kv_types == ("q8_0", "q4_0")
+    args = build_parser().parse_args(["serve", "--cache-type-k", "q4_0"])
+    assert serve_config(args).model.kv_types == ("q4_0", "bf16")
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--kv-cache-dtype", "q5_0"])
+    assert exit_.value.code == 2 and "argument --kv-cache-dtype: invalid choice: 'q5_0'" in capsys.readouterr().err
 
 
 def flagged_classes() -> list[type]:

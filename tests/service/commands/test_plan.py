@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.arch import get_arch
+from engine.arch.base import HParams
+from engine.gguf.reader import GGUFFile
 from service.cli import main
 from tools.embedded_vocab import build_embedded_vocab
 from tools.routing import synthetic_trace
@@ -67,6 +70,23 @@ def test_table_output_names_the_smallest_budget(qwen3_30b: Path, capsys: pytest.
     assert main(["plan", str(qwen3_30b), "--mib", "1000"]) == 0
     out = capsys.readouterr().out
     assert "smallest useful cache 21 MiB" in out and "0-47" in out
+    # 48 layers x 33 slots (32 sequences + the scratch slot) x 4096 positions x 4 kv heads x 2 x 256 bytes
+    assert "KV cache: 12672 MiB (K bf16, V bf16; 32 sequences of 4096 positions)" in out
+
+
+def test_kv_cache_counts_the_bytes_of_its_types(qwen3_30b: Path, capsys: pytest.CaptureFixture) -> None:
+    one_long = ("--mib", "1000", "-c", "32768", "--max-num-seqs", "1")
+    runs = {types: plan_json(capsys, str(qwen3_30b), *one_long, "-ctk", types[0], "-ctv", types[1])
+            for types in (("bf16", "bf16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q4_0"))}
+    rows = 48 * 2 * 32768 * 4  # layers, slots (the sequence and the scratch slot), positions, kv heads
+    row_bytes = {"bf16": 256, "q8_0": 4 * 34, "q4_0": 4 * 18}  # one head's 128 values
+    for (k_type, v_type), out in runs.items():
+        assert out["kv_cache"] == {"bytes": rows * (row_bytes[k_type] + row_bytes[v_type]), "k_type": k_type,
+                                   "v_type": v_type, "positions": 32768, "sequences": 1}
+        plan = out["plans"][0]
+        assert plan["device_bytes"] == plan["cache_bytes"] + out["kv_cache"]["bytes"]
+    both = plan_json(capsys, str(qwen3_30b), *one_long, "--kv-cache-dtype", "q8_0")
+    assert both["kv_cache"] == runs[("q8_0", "q8_0")]["kv_cache"]
 
 
 # preset -> its MoE layers and the bytes of one expert (gate and up Q4_K; rows that are not whole 256-column
@@ -86,3 +106,31 @@ def test_plan_of_each_architecture_at_real_shapes(preset: str, tmp_path: Path, c
     group = plan_json(capsys, str(path), "--mib", "2000")["plans"][0]["groups"][0]
     assert group["layers"] == layers and group["slot_bytes"] == slot_bytes
     assert group["num_slots"] == 2000 * MiB // slot_bytes
+
+
+def layout_bytes(hp: HParams, slots: int, positions: int, k_type: str, v_type: str) -> int:
+    """The KV cache's bytes from the hyperparameters: MLA's latent once per token and layer; else each layer's
+    own K and V rows (none for a shared-KV layer), a row per kv head of that layer's head_dim."""
+    if hp.mla is not None:
+        return hp.num_layers * slots * positions * hp.mla.latent_dim * 2
+    row = {"bf16": lambda d: 2 * d, "q8_0": lambda d: d // 32 * 34, "q4_0": lambda d: d // 32 * 18}
+    return sum(slots * positions * hp.kv_heads_of(i) * (row[k_type](hp.head_dim_of(i)) + row[v_type](hp.head_dim_of(i)))
+               for i in range(hp.num_layers) if hp.kv_layer(i) == i)
+
+
+@pytest.mark.parametrize("preset", list(REAL_SHAPES))
+def test_kv_cache_of_each_architecture(preset: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / f"{preset}.gguf"
+    write_synth(path, PRESETS[preset], build_embedded_vocab(), sparse=True)
+    hp = get_arch(GGUFFile(path).architecture).hparams(GGUFFile(path).metadata, vocab_size=0)
+    args = ("--mib", "2000", "-c", "1024", "--max-num-seqs", "3")
+    out = plan_json(capsys, str(path), *args)
+    assert out["kv_cache"]["bytes"] == layout_bytes(hp, 4, 1024, "bf16", "bf16")
+    if hp.mla is not None:  # the latent cache stays in bf16
+        assert main(["plan", str(path), *args, "-ctk", "q8_0"]) == 2
+        err = capsys.readouterr().err
+        assert "MLA latent" in err and "got K q8_0, V bf16" in err and "--cache-type-k" in err
+        return
+    quantized = plan_json(capsys, str(path), *args, "-ctk", "q8_0", "-ctv", "q4_0")
+    assert quantized["kv_cache"]["bytes"] == layout_bytes(hp, 4, 1024, "q8_0", "q4_0")
+    assert 0 < quantized["kv_cache"]["bytes"] < out["kv_cache"]["bytes"]

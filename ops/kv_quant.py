@@ -1,0 +1,60 @@
+"""KV cache types: K and V rows in the activation dtype, or in ggml's 32-value blocks (q8_0, q4_0).
+
+A quantized row of `head_dim` values is `head_dim / 32` blocks in `ops.quants`' byte layout, a cache of
+them uint8 `[..., row_bytes]`. The write kernel quantizes (bit for bit as `ops.quants`, which matches
+gguf), the attention kernels dequantize their tiles as they read them; the functions here are the torch
+references of both, which the CPU engine runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ops import quants
+from ops.quants import QType
+
+# bf16: unquantized, in the activation dtype (bf16 on CUDA); names as llama.cpp's `--cache-type-k/v`
+KV_CACHE_TYPES: dict[str, QType | None] = {"bf16": None, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0}
+
+
+def kv_qtype(name: str) -> QType | None:
+    """The block format of a KV cache type (None: unquantized); ValueError naming the choices."""
+    if name not in KV_CACHE_TYPES:
+        raise ValueError(f"KV cache type must be one of {', '.join(KV_CACHE_TYPES)} (got {name!r})")
+    return KV_CACHE_TYPES[name]
+
+
+def check_head_dim(qtype: QType | None, head_dim: int) -> None:
+    """A quantized row is whole blocks: head_dim a multiple of the block size."""
+    if qtype is not None and head_dim % quants.format_of(qtype).block_size:
+        raise ValueError(f"a {qtype.name.lower()} KV cache needs head_dim a multiple of "
+                         f"{quants.format_of(qtype).block_size}, got {head_dim}")
+
+
+def row_bytes(qtype: QType | None, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one cached K or V row of one head."""
+    if qtype is None:
+        return head_dim * dtype.itemsize
+    check_head_dim(qtype, head_dim)
+    return quants.row_bytes(qtype, head_dim)
+
+
+def zeros(shape: tuple[int, ...], qtype: QType | None, head_dim: int, dtype: torch.dtype,
+          device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed cache of rows `[*shape, row]`: head_dim values of dtype, or the row's bytes (uint8)."""
+    if qtype is None:
+        return torch.zeros((*shape, head_dim), dtype=dtype, device=device)
+    return torch.zeros((*shape, row_bytes(qtype, head_dim, dtype)), dtype=torch.uint8, device=device)
+
+
+def quantize_rows(x: torch.Tensor, qtype: QType) -> torch.Tensor:
+    """`[..., head_dim]` -> uint8 `[..., row_bytes]`."""
+    return quants.quantize(x.float(), qtype)
+
+
+def dense(cache: torch.Tensor, qtype: QType | None, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Cached rows as values `[..., head_dim]` of `dtype`: dequantized (in float32, then rounded to dtype,
+    as the kernels do) or the rows themselves."""
+    if qtype is None:
+        return cache
+    return quants.dequantize(cache, qtype, head_dim).to(dtype)
