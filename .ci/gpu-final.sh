@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The H200 lease of docs/benchmarks.md ("The cached decode step and CPU-computed misses"), device calls back
 # to back on one machine:
-#   1: llama.cpp's CUDA build started in the background; the gpu tests of the cache's device path; resident
-#      and cached (stream) at batch 1 after a 400-token warm-up, then batch 8 at 50%, while the build runs;
+#   1: llama.cpp's CUDA build started in the background; the attention and cache-step kernel tests (the lease
+#      stops if they fail), the gpu tests of the cache's device path; resident and cached (stream) at batch 1
+#      after a 400-token warm-up, while the build runs;
 #   2: after the build: llama.cpp's rows on the same file, then the three miss modes at 0 and 25% and hybrid
 #      at 50% (stream's is part 1's) with every core free;
-#   3: (device time left) the miss modes on a 16 GB/s link (`--link-gbps`); small budgets against no cache;
+#   3: (device time left) batch 8 at 50%; the miss modes on a 16 GB/s link (`--link-gbps`); small budgets against no cache;
 #      the step profile of hybrid and stream at 25%.
 # Usage: .ci/gpu-final.sh 1 | 2 | 3
 set -uo pipefail
@@ -17,11 +18,16 @@ Profile({l: {e: 1 for e in range(128)} for l in range(48)}).save('$PROFILE')"
 case "$1" in
 1)
   bash .device/h200-llamacpp.sh build
-  BUDGET_S=100 TESTS="tests/ops/test_cache_step.py tests/ops/test_triton_stage.py tests/engine/test_gpu_engine.py" \
-    TESTS_S=95 bash .ci/gpu-check tests
+  # the attention and cache-step kernels every step runs compile and pass first, or the lease stops here
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+    tests/ops/test_triton_attention.py tests/ops/test_cache_step.py \
+    -k "(test_matches_reference and bf16) or graph_replay or test_write_kv_matches or test_kernels_equal" 2>&1 | tail -5
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "kernel tests failed: stopping"; exit 1; }
+  BUDGET_S=100 TESTS="tests/ops/test_triton_stage.py tests/engine/test_gpu_engine.py" TESTS_S=95 \
+    bash .ci/gpu-check tests
   BUDGET_S=150 HEADLINE_S=145 HEADLINE_FRACS=0.25,0.5,1 HEADLINE_BATCHES=1 \
     HEADLINE_EXTRA="--cache-profile $PROFILE --warmup-gen-len 400" bash .ci/gpu-check headline
-  BUDGET_S=60 BATCH8_S=55 bash .ci/gpu-check batch8
   ;;
 2)
   grep -q "BUILD_DONE" /tmp/llamacpp/build.log 2>/dev/null || echo "llama.cpp still building"
@@ -36,6 +42,9 @@ case "$1" in
     CACHED_EXTRA="--warmup-gen-len 400 --gen-len 32 --repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   ;;
 3)
+  BUDGET_S=60 BATCH8_S=55 bash .ci/gpu-check batch8
+  PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_triton_attention.py \
+    -k "quantized or prefill or write_kv_quantizes" 2>&1 | tail -5
   BUDGET_S=80 CACHED_S=75 CACHED_NAME=link16 CACHED_FRACS=0,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 100 --gen-len 24 --repeats 1 --link-gbps 16" bash .ci/gpu-check cached
   BUDGET_S=200 SMALL_S=195 bash .ci/gpu-check small
