@@ -70,11 +70,12 @@ def test_fused_forward_equals_the_torch_forward(small_moe_gguf: Path, preset_ggu
     torch_path, fused = outputs["torch"], outputs["fused"]
     error = (fused - torch_path).norm() / torch_path.norm()
     # float32, summation order only; the native expert kernel's two-plane int8 activations round the
-    # slightly different inputs apart: measured 1.4e-5 on deepseek2-tiny (5e-7 with the reference experts).
+    # slightly different inputs apart: measured 1.4e-5 on deepseek2-tiny and 9.2e-5 on gemma4-tiny (whose
+    # GELU experts and soft-capped logits amplify it; 5e-7 with the reference experts).
     # A quantized cache turns those last-bit differences of k and v into a whole quantization step where a
     # value lies on a rounding boundary (measured 1.6e-3); a wrong scale, block or nibble gives errors of
     # order 0.1 to 1
-    bound = 3e-5 if (k_type, v_type) == ("bf16", "bf16") else 1e-2
+    bound = 2e-4 if (k_type, v_type) == ("bf16", "bf16") else 1e-2
     assert error < bound, f"relative error {error:.1e}"
 
 
