@@ -238,7 +238,7 @@ class LLMEngine:
         (sampling: it waits for the device). `keys`: the request of each token; `logits_from`: see
         `ForwardBatch.build`. Returns the step record."""
         self.model.router.begin_step(keys)
-        self.cache.prepare_step()  # a. the table changes decided during the last step, for the device
+        self.cache.prepare_step(len(keys))  # a. the table changes decided during the last step, for the device
         logits = self.runner.forward(spans, token_ids, logits_from)  # b. launched
         self.cache.launched()
         # c. while the device computes: the previous step's cache bookkeeping, the router's work ahead

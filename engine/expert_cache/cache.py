@@ -2,7 +2,7 @@
 that owns the slots, the policies and the copies, and observers of each step's record. The engine drives
 it around each step:
 
-    prepare_step()   before the launch: the table changes decided so far go to pinned memory
+    prepare_step(n)  before the launch of n tokens: the table changes decided so far go to pinned memory
     launched()       just after the launch: uploads start (ordered after the launched step)
     process()        while the step computes: the previous step's record -> observers and policies
     step_done()      after the step synchronized: take its record for the next `process`
@@ -44,9 +44,14 @@ class ExpertCache:
             placement, plan, cfg, stats, split, cpu
         self._pending: StepRecord | None = None
         self._split: tuple[float, float] | None = None  # a new hybrid (share, lead) for the next step
+        self._last_tokens = 1  # tokens of the last decode step
 
     # -- around each step ---------------------------------------------------------------------------------
-    def prepare_step(self) -> None:
+    def prepare_step(self, num_tokens: int = 1) -> None:
+        if num_tokens <= self.cfg.max_cached_batch:  # a decode step: its misses land
+            if num_tokens > self._last_tokens:
+                self.manager.reserve(num_tokens)
+            self._last_tokens = num_tokens
         if self._split is not None:  # between steps: the device reads them in every layer
             self.manager.tables.share.fill_(self._split[0])
             self.manager.tables.lead.fill_(self._split[1])

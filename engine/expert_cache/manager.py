@@ -115,6 +115,12 @@ class CacheManager:
                 self.stats.record_copies(len(landed), 0, 0)
             self._apply(gid, policy.observe(ids, landed))
 
+    def reserve(self, num_tokens: int) -> None:
+        """Before a step with more tokens than the last (a prompt joining): offers for its misses
+        (`CachePolicy.reserve`), on the changes of that step."""
+        for gid, policy in self.policies.items():
+            self._apply(gid, policy.reserve(num_tokens))
+
     def changes(self) -> list[Change]:
         """The table changes for the next step (publishing finished uploads too); clears them."""
         self._publish_finished()

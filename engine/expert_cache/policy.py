@@ -38,6 +38,7 @@ from engine.expert_cache.profile import Profile
 
 Expert = tuple[int, int]  # (layer, expert)
 EMA = 0.8  # per step: the recent misses a ring sizes its offered slots by
+RESERVE = 4  # offered slots before a larger step, per recent miss per token and token of the step
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class CachePolicy(ABC):
         for i, r in enumerate(self.rings):
             self.ring_of_slot[r.slots.start:r.slots.stop] = i
         self._misses = np.zeros(len(self.rings))  # recent missed experts a step, per ring
+        self._token_misses = np.zeros(len(self.rings))  # the same per token of the step
 
     # -- state ----------------------------------------------------------------------------------------
     def slot_of(self, layer: int, expert: int) -> int | None:
@@ -168,9 +170,20 @@ class CachePolicy(ABC):
         self._update(step, landed_keys)
         if self.landing:
             if self.offers_slots:
-                self._refill(decision, step, landed_keys)
+                self._refill(decision, self._targets(), landed_keys)
         else:
             self._admit(decision, step)
+        return decision
+
+    def reserve(self, num_tokens: int) -> Decision:
+        """Before a step of `num_tokens` (applied at once, between steps): each ring offers at least
+        `RESERVE` x its recent misses per token x `num_tokens`, so a prompt's misses land too (a new
+        request misses more than the last one did, and refills follow a step late). Nothing where
+        misses do not land."""
+        decision = Decision()
+        if self.landing and self.offers_slots:
+            wanted = np.ceil(RESERVE * self._token_misses * num_tokens - 0.1).astype(np.int64)
+            self._refill(decision, np.maximum(self._targets(), self._capped(wanted)), np.zeros(0, np.int64))
         return decision
 
     def warm_start(self, profile: Profile) -> list[Promotion]:
@@ -198,7 +211,7 @@ class CachePolicy(ABC):
         """Recency or scores after a step; `landed`: keys (row * experts + expert) of its landings."""
 
     @abstractmethod
-    def _victims(self, counts: np.ndarray, step: StepUse, landed: np.ndarray) -> np.ndarray:
+    def _victims(self, counts: np.ndarray, landed: np.ndarray) -> np.ndarray:
         """Up to `counts[ring]` slots of held experts of each ring to evict, least valuable first."""
 
     @abstractmethod
@@ -231,10 +244,13 @@ class CachePolicy(ABC):
 
     def _targets(self) -> np.ndarray:
         """Offered slots each ring keeps `[rings]`: twice its recent misses, at most a quarter of it."""
-        sizes = np.array([len(r.slots) for r in self.rings])
         wanted = np.full(len(self.rings), self.config.free_slots) if self.config.free_slots else \
             np.ceil(2 * self._misses - 0.1).astype(np.int64)
-        return np.minimum(wanted, np.maximum(sizes // 4, 1))
+        return self._capped(wanted)
+
+    def _capped(self, wanted: np.ndarray) -> np.ndarray:
+        """Offered slots per ring `[rings]` at most a quarter of the ring."""
+        return np.minimum(wanted, np.maximum(np.array([len(r.slots) for r in self.rings]) // 4, 1))
 
     def _take_landings(self, landed: Mapping[Expert, int] | np.ndarray, decision: Decision) -> np.ndarray:
         """The landed experts take their slots; returns their keys (row * experts + expert)."""
@@ -263,17 +279,19 @@ class CachePolicy(ABC):
         missed = (self.slot[step.rows, step.experts] < 0) | np.isin(keys, landed)
         per_ring = np.bincount(self.ring_of_row[step.rows[missed]], minlength=len(self.rings))
         self._misses = EMA * self._misses + (1 - EMA) * per_ring
+        self._token_misses = EMA * self._token_misses + (1 - EMA) * per_ring / max(int(step.num_tokens.max()), 1)
 
-    def _refill(self, decision: Decision, step: StepUse, landed: np.ndarray) -> None:
+    def _refill(self, decision: Decision, targets: np.ndarray, landed: np.ndarray) -> None:
+        """Offer free slots, then evicted ones, until each ring offers `targets[ring]`."""
         rings = len(self.rings)
-        deficit = self._targets() - np.bincount(self.ring_of_slot[self.is_offered], minlength=rings)
+        deficit = targets - np.bincount(self.ring_of_slot[self.is_offered], minlength=rings)
         if (deficit <= 0).all():
             return
         free = self.first_per_ring(np.nonzero((self.owner < 0) & ~self.is_offered)[0], deficit)
         self._offer(decision, free)
         deficit -= np.bincount(self.ring_of_slot[free], minlength=rings)
         if (deficit > 0).any():
-            slots = self._victims(np.maximum(deficit, 0), step, landed)
+            slots = self._victims(np.maximum(deficit, 0), landed)
             self._evict(slots, decision)
             self._offer(decision, slots)
 
@@ -321,7 +339,7 @@ class LruPolicy(CachePolicy):
         slots = self.slot[step.rows, step.experts]
         self.last_used[slots[slots >= 0]] = self._clock
 
-    def _victims(self, counts: np.ndarray, step: StepUse, landed: np.ndarray) -> np.ndarray:
+    def _victims(self, counts: np.ndarray, landed: np.ndarray) -> np.ndarray:
         # NOTE: an expert used in the step is never evicted for it (its last use is this step)
         count = int(counts[0])
         held = np.nonzero(self.owner >= 0)[0]
@@ -337,7 +355,7 @@ class LruPolicy(CachePolicy):
         missed = np.nonzero(~hits)[0]
         missed = missed[np.argsort(-step.counts[missed], kind="stable")][:room]  # most used in the step first
         free: list[int] = np.nonzero(self.owner < 0)[0].tolist()
-        victims = iter(self._victims(np.array([len(missed) - len(free)]), step, np.zeros(0, np.int64)).tolist()) \
+        victims = iter(self._victims(np.array([len(missed) - len(free)]), np.zeros(0, np.int64)).tolist()) \
             if len(missed) > len(free) else iter(())
         for i in missed.tolist():
             slot = free.pop(0) if free else next(victims)
@@ -388,7 +406,7 @@ class ScoredPolicy(CachePolicy):
         uses[step.rows, step.experts] = step.counts
         self._update_scores(uses, step.num_tokens)
 
-    def _victims(self, counts: np.ndarray, step: StepUse, landed: np.ndarray) -> np.ndarray:
+    def _victims(self, counts: np.ndarray, landed: np.ndarray) -> np.ndarray:
         """The lowest-scored held experts of each ring; a just-landed expert stays only if it beats the
         resident it would replace (`_margin`): valued at score / margin, it goes first on a tie."""
         held = np.nonzero(self.owner >= 0)[0]
@@ -490,7 +508,7 @@ class StaticPolicy(CachePolicy):
     def _update(self, step: StepUse, landed: np.ndarray) -> None:
         pass
 
-    def _victims(self, counts: np.ndarray, step: StepUse, landed: np.ndarray) -> np.ndarray:
+    def _victims(self, counts: np.ndarray, landed: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
 
     def _admit(self, decision: Decision, step: StepUse) -> None:

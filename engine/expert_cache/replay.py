@@ -30,6 +30,7 @@ class DeviceModel:
         self.rings: list[deque[int]] = [deque() for _ in policy.rings]
         self.pending: deque[Decision] = deque()
         self.landings = self.uploads = 0
+        self.last_tokens = 1
         self.apply(policy.start())
 
     def apply(self, decision: Decision) -> None:
@@ -43,8 +44,18 @@ class DeviceModel:
             self.content[p.slot] = (p.layer, p.expert)
         self.uploads += len(decision.uploads)
 
+    def prepare(self, used: Mapping[int, Sequence[int]]) -> Decision:
+        """As the engine before a step: a step of more tokens than the last gets offers for its misses at
+        once (`CachePolicy.reserve`). `step` calls it; called first, `step` adds nothing."""
+        num_tokens = max((-(-len(ids) // self.policy.group.top_k) for ids in used.values()), default=1)
+        decision = self.policy.reserve(num_tokens) if num_tokens > self.last_tokens else Decision()
+        self.apply(decision)
+        self.last_tokens = num_tokens
+        return decision
+
     def step(self, used: Mapping[int, Sequence[int]]) -> tuple[int, dict[Expert, int], Decision]:
         """One step: (hits, landings, the policy's decision), the decision applied `lag` steps later."""
+        self.prepare(used)
         hits, landed = 0, {}
         for layer, ids in used.items():
             for e in ids:

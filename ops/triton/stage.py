@@ -150,7 +150,7 @@ def _spin(wait_ns):
         now = _now_ns()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_experts", "ns_each"])  # one compile per BLOCK
 def _hold_fills_kernel(expert_ids, flags, num_pairs, num_experts, ns_each, BLOCK: tl.constexpr):
     p = tl.arange(0, BLOCK)
     ids = tl.load(expert_ids + p, mask=p < num_pairs, other=-1)
@@ -161,7 +161,7 @@ def _hold_fills_kernel(expert_ids, flags, num_pairs, num_experts, ns_each, BLOCK
     _spin(tl.sum((flagged & first).to(tl.int64), axis=0) * ns_each)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["wait_ns"])
 def _hold_kernel(wait_ns):
     _spin(wait_ns)
 

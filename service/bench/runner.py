@@ -129,6 +129,8 @@ class Prompts:
 
 
 def _snapshot(engine: LLMEngine) -> CacheDelta:
+    # NOTE: the last step's record is processed while the next step runs: count it in its own phase
+    engine.cache.flush()
     return CacheDelta.of(engine.cache.snapshot())
 
 

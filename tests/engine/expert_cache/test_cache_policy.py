@@ -8,6 +8,7 @@ import pytest
 from engine.expert_cache.plan import GroupPlan
 from engine.expert_cache.policy import (
     POLICIES,
+    RESERVE,
     DecayPolicy,
     LfruPolicy,
     PolicyConfig,
@@ -111,6 +112,47 @@ def test_a_cold_cache_fills_in_one_step_where_misses_land() -> None:
     device = DeviceModel(decay, lag=1)
     device.step({0: [0, 1, 2, 3], 1: [4, 5, 6, 7]})
     assert len(decay.residents()) == 8  # no promote-per-step cap: the copies were the step's own
+
+
+def test_a_prompt_step_gets_offers_for_its_misses_before_it_runs() -> None:
+    """A step of more tokens than the last ones (a new request's prompt) misses far more than the steady
+    steps the offers were sized by: `reserve` offers RESERVE x recent misses per token x its tokens,
+    evicting the least recent experts but none of the last step's, so the prompt's misses land."""
+    lru = make_policy("lru", group((0,), num_experts=64, top_k=2, num_slots=32), PolicyConfig())
+    device = DeviceModel(lru, lag=1)
+    for t in range(40):  # steady: one new expert a token among a hot set that fills the cache
+        device.step({0: [t % 30, 30 + t % 2]})
+    offered = len(lru.offered(0))
+    assert 0 < offered <= 2
+    last = {(0, t % 30) for t in (38, 39)} | {(0, 30), (0, 31)}
+    decision = lru.reserve(4)  # 4 tokens (the engine applies it before the step, as here)
+    device.apply(decision)
+    per_token = lru._token_misses[0]
+    assert len(lru.offered(0)) == min(int(RESERVE * per_token * 4 + 0.9), 32 // 4) > offered
+    assert {e for e, _ in decision.evictions}.isdisjoint(last)
+    assert lru.reserve(1).offers == [] and lru.reserve(4).offers == []  # satisfied: nothing more
+    hits, landed, _ = device.step({0: [40, 41, 42, 43, 44, 45, 0, 1]})  # the prompt: 4 tokens, 6 new experts
+    assert len(landed) == 6
+
+
+@pytest.mark.parametrize("name", ["decay", "lfru"])
+def test_reserve_offers_per_layer_ring_for_scored_policies(name: str) -> None:
+    policy = make_policy(name, group((0, 1), num_experts=32, top_k=2, num_slots=32), PolicyConfig())
+    device = DeviceModel(policy, lag=1)
+    for t in range(30):
+        device.step({0: [t % 20, 20], 1: [t % 20, 21]})
+    before = [len(policy.offered(r)) for r in range(2)]
+    policy.reserve(8)
+    after = [len(policy.offered(r)) for r in range(2)]
+    assert all(a >= b for a, b in zip(after, before)) and sum(after) > sum(before)
+    assert all(a <= 16 // 4 for a in after)  # at most a quarter of each ring
+
+
+def test_reserve_offers_nothing_where_misses_do_not_land() -> None:
+    lru = make_policy("lru", group(num_experts=8, top_k=2, num_slots=4), PolicyConfig(), landing=False)
+    for t in range(8):
+        lru.observe({0: [t, (t + 1) % 8]})
+    assert not lru.reserve(16)
 
 
 # -- uploads: the cpu miss mode ---------------------------------------------------------------------------

@@ -113,6 +113,10 @@ def test_policy_invariants(case: Case) -> None:
     device = DeviceModel(policy, lag=case.lag, uploads=warm)
     check_state(policy, device)
     for step in case.steps:
+        reserved = device.prepare(step)  # a larger step's offers: evictions of held experts, never uploads
+        check_state(policy, device)
+        assert not reserved.uploads and (case.landing or not reserved)
+        assert {e for e, _ in reserved.evictions}.isdisjoint(policy.residents())
         before = policy.residents()
         _, landed, decision = device.step(step)
         check_state(policy, device)

@@ -19,7 +19,7 @@ from ops.quants import QType
 from service.bench.bound import TokenBytes, decode_bound, dense_bytes, token_bytes
 from service.bench.ceilings import Ceilings, ExpertShape, measure_ceilings, pinned_bank
 from service.bench.results import ConfigResult, Skipped, run_configuration
-from service.bench.runner import DECODE, CacheDelta, Phase, RunSettings, decode_figures, measure
+from service.bench.runner import DECODE, DECODE_PROMPT, PREFILL, CacheDelta, Phase, RunSettings, decode_figures, measure
 from service.bench.sweep import MiB, SweepPoint, cache_config, comma_list, fraction, sweep_points
 from tools.embedded_vocab import build_embedded_vocab
 from tools.routing import ReplayRouter, make_router
@@ -115,6 +115,23 @@ def test_a_longer_warm_up_decodes_more_tokens_and_fills_a_slowly_promoting_cache
         phases = [p for p in measure(engine, settings, "synthetic:qwen3") if p.kind == DECODE]
         assert [(p.run, p.tokens) for p in phases] == [(0, 2 * 29), (1, 2 * 2)]  # the first token: prompt phase
         assert engine.cache.stats.snapshot().promotions >= 20  # one promotion a step over the warm-up
+    finally:
+        engine.close()
+
+
+def test_each_phase_counts_the_expert_picks_of_its_own_steps(tiny_model: Path) -> None:
+    """A step's record is processed while the next step runs: a phase's cache figures still hold exactly
+    its own steps (the decode phase none of the prompt step that gave the first tokens)."""
+    engine = LLMEngine(EngineConfig(ModelConfig(str(tiny_model), "cpu", max_context=64),
+                                    CacheConfig(cpu_moe=True, budget_mib=2, policy="lru"), SchedulerConfig(2, 64, 64)))
+    try:
+        settings = RunSettings(prompt_len=6, decode_prompt_len=4, gen_len=5, batches=(2,), repeats=1)
+        phases = measure(engine, settings, "synthetic:qwen3")
+        hp = engine.weights.hparams
+        picks_per_token = hp.top_k * len(engine.cache.placement.host_layers)
+        assert {p.kind for p in phases} == {PREFILL, DECODE_PROMPT, DECODE}
+        for p in phases:
+            assert p.cache.hits + p.cache.misses == p.tokens * picks_per_token, p
     finally:
         engine.close()
 
