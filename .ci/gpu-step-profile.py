@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import math
 import os
 import pstats
