@@ -16,9 +16,10 @@ export LOGS=${OUT:-/tmp/moecache-gpu}
 PROFILE=/tmp/uniform-profile.json  # every expert once: a 100% cache starts full
 [ -f $PROFILE ] || python3 -c "from engine.expert_cache.profile import Profile; \
 Profile({l: {e: 1 for e in range(128)} for l in range(48)}).save('$PROFILE')"
-pytest_gpu() {  # SECONDS FILES... [-k EXPR]: gpu-marked tests
-  local seconds=$1; shift
-  PYTHONPATH=/tmp/site:$PWD timeout "$seconds" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" 2>&1 | tail -8
+pytest_gpu() {  # NAME SECONDS FILES... [-k EXPR]: gpu-marked tests, the whole log in $LOGS/NAME.log
+  local name=$1 seconds=$2; shift 2
+  PYTHONPATH=/tmp/site:$PWD timeout "$seconds" python3 -m pytest -q -m gpu -p no:cacheprovider -rf "$@" 2>&1 \
+    | tee "$LOGS/$name.log" | tail -8
   return "${PIPESTATUS[0]}"
 }
 case "$1" in
@@ -26,7 +27,7 @@ case "$1" in
   bash .device/h200-llamacpp.sh build
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   # the attention and cache-step kernels every step runs compile and pass first, or the lease stops here
-  pytest_gpu 120 -x tests/ops/test_triton_attention.py tests/ops/test_cache_step.py \
+  pytest_gpu kernels 120 -x tests/ops/test_triton_attention.py tests/ops/test_cache_step.py \
     -k "(test_matches_reference and bf16) or graph_replay or test_write_kv_matches or test_kernels_equal" \
     || { echo "kernel tests failed: stopping"; exit 1; }
   BUDGET_S=110 TESTS="tests/ops/test_triton_stage.py tests/engine/test_gpu_engine.py" TESTS_S=105 \
@@ -54,6 +55,6 @@ case "$1" in
   BUDGET_S=160 SMALL_S=155 bash .ci/gpu-check small
   BUDGET_S=80 CACHED_S=75 CACHED_NAME=link16 CACHED_FRACS=0,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 100 --gen-len 24 --repeats 1 --link-gbps 16" bash .ci/gpu-check cached
-  pytest_gpu 100 tests/ops/test_triton_attention.py -k "quantized or prefill or write_kv_quantizes"
+  pytest_gpu kvquant 100 tests/ops/test_triton_attention.py -k "quantized or prefill or write_kv_quantizes"
   ;;
 esac

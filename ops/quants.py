@@ -100,10 +100,16 @@ def _bits_le(raw: torch.Tensor) -> torch.Tensor:
     return _unpack(raw, 1).transpose(-1, -2).flatten(-2)
 
 
+_TABLES: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
 def _lookup(values: tuple[int, ...], codes: torch.Tensor) -> torch.Tensor:
-    """Codes (uint8) -> float32 table entries."""
-    table = torch.tensor(values, dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    """Codes (uint8) -> float32 table entries. The table is made once per device: a captured CUDA graph
+    (whose warm-up made it) copies nothing from the host."""
+    key = (values, codes.device)
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(values, dtype=torch.float32, device=codes.device)
+    return _TABLES[key][codes.long()]
 
 
 def _round_half_away(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ from ops.cache_step import CpuJob
 from ops.cpu_experts import ExpertTask, TaskCounters, expert_ffn_cpu, load_native
 from ops.cuda_host import launch_host_func
 
+DECODE_SPIN_US = 2000  # idle pool workers spin this long before they sleep, where tasks are host nodes
+
 
 class Task(Protocol):
     @property
@@ -99,6 +101,13 @@ class CpuTasks:
         self.tasks: dict[int, Task] = {layer: make_task(bank, self.job, num_threads) for layer, bank in host.items()}
         self.num_experts = {layer: bank.num_experts for layer, bank in host.items()}
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.side is not None and self.is_native:
+            # NOTE: a decode step starts a layer's task every few hundred microseconds, after the device's
+            # attention and router: workers that wait that long spinning start it at once, where workers
+            # asleep in the kernel are woken one by one (the pool's default spin is 200 us)
+            native = load_native()
+            assert native is not None, "native tasks need the native library"
+            native.start_pool(num_threads, spin_us=DECODE_SPIN_US)
 
     def run(self, layer: int) -> None:
         """Compute the layer's CPU pairs now (the job must be written)."""

@@ -292,8 +292,11 @@ def test_gemma4_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], ca
                            cache=CacheConfig(**cache) if device == "cuda" else CacheConfig(),  # type: ignore[arg-type]
                            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
         logits[device] = teacher_forced_logits(LLMEngine(cfg), prompts, 24)  # past the 16-position window
+    # hybrid: the CPU's experts quantize activations to int8 (two planes, float32-level per expert) where the
+    # CPU reference does not; 24 teacher-forced tokens add that up (1.07e-3 measured on the H200)
+    bound = 2e-3 if cache.get("miss_mode") == "hybrid" else 1e-3
     for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
-        assert rel_error(gpu, cpu) < 1e-3
+        assert rel_error(gpu, cpu) < bound
 
 
 @pytest.mark.parametrize("model", ["gpt-oss-tiny", "gemma4-tiny"])
@@ -311,5 +314,6 @@ def test_quantized_kv_cache_beside_windows_sinks_and_wide_heads(preset_gguf: Cal
                            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
         logits[device] = teacher_forced_logits(LLMEngine(cfg), prompts, 24)  # past the 16-position window
     for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
-        # a last-bit difference of k or v moves a value across a rounding boundary now and then
-        assert rel_error(gpu, cpu) < 2e-2
+        # a last-bit difference of k or v moves a value across a rounding boundary now and then, a whole
+        # 4-bit step in v (gemma4-tiny: 2.4e-2 on the H200); q4_0 itself moves them by up to 0.3 (above)
+        assert rel_error(gpu, cpu) < 5e-2
