@@ -39,6 +39,7 @@ from engine.expert_cache.profile import Profile
 Expert = tuple[int, int]  # (layer, expert)
 EMA = 0.8  # per step: the recent misses a ring sizes its offered slots by
 RESERVE = 4  # offered slots before a larger step, per recent miss per token and token of the step
+PROFILE_TOKENS = 8  # lfru: the tokens of use a warm-start profile's rates are seeded as
 
 
 @dataclass(frozen=True)
@@ -493,7 +494,9 @@ class LfruPolicy(ScoredPolicy):
         return self.config.lfru_margin
 
     def _seed_scale(self) -> float:
-        return float(self.config.lfru_halve_every)  # uses over one halving period
+        # NOTE: a profile is another workload's uses: seeded as PROFILE_TOKENS tokens of use (not a whole halving
+        # period, which the running requests' own experts must then beat twice over before they stay)
+        return float(PROFILE_TOKENS)
 
 
 class StaticPolicy(CachePolicy):

@@ -8,6 +8,7 @@ import pytest
 from engine.expert_cache.plan import GroupPlan
 from engine.expert_cache.policy import (
     POLICIES,
+    PROFILE_TOKENS,
     RESERVE,
     DecayPolicy,
     LfruPolicy,
@@ -211,10 +212,10 @@ def test_lfru_halves_counts_periodically() -> None:
     assert scores == [1, 2, 2, 3, 2.5]
 
 
-def test_lfru_warm_start_seeds_one_halving_period_of_uses() -> None:
+def test_lfru_warm_start_seeds_a_few_tokens_of_uses() -> None:
     lfru = LfruPolicy(group(num_experts=4, top_k=2, num_slots=2), PolicyConfig(lfru_halve_every=100))
     lfru.warm_start(Profile({0: {0: 10, 1: 10, 2: 5, 3: 5}}))  # 15 tokens
-    assert lfru.score(0, 0) == pytest.approx(10 / 15 * 100)
+    assert lfru.score(0, 0) == pytest.approx(10 / 15 * PROFILE_TOKENS)
     assert set(lfru.residents()) == {(0, 0), (0, 1)}
 
 

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from engine.expert_cache.plan import CachePlan, GroupPlan
-from engine.expert_cache.policy import PolicyConfig
+from engine.expert_cache.policy import PolicyConfig, make_policy
 from engine.expert_cache.profile import Profile
-from engine.expert_cache.replay import profile_from_trace, replay
+from engine.expert_cache.replay import DeviceModel, profile_from_trace, replay
 from engine.trace import RoutingTrace
+from tools.routing import LOCALITY_MODELS, SyntheticSource
 
 
 def trace_of(
@@ -74,3 +75,49 @@ def test_trace_of_another_shape_is_rejected() -> None:
     plan = CachePlan((GroupPlan(0, (0,), 8, 2, 1, 2),), budget_bytes=2)
     with pytest.raises(ValueError, match="top-1"):
         replay(trace_of([[[1]]]), plan, "lru", PolicyConfig())
+
+
+# -- warming up on the calibrated synthetic routing ----------------------------------------------------------
+
+WARM_LAYERS, WARM_EXPERTS, WARM_K = 24, 128, 8
+
+
+def new_request_hits(policy: str, share: float, profile: Profile | None, tokens: int = 400) -> np.ndarray:
+    """Hit ratio of each token of a new request (`tools.routing`'s qwen3 model, 24 layers) through the device
+    model, from a cold cache or one warm-started from `profile`."""
+    group = GroupPlan(0, tuple(range(WARM_LAYERS)), WARM_EXPERTS, WARM_K, 1,
+                      int(share * WARM_LAYERS * WARM_EXPERTS))
+    cache = make_policy(policy, group, PolicyConfig(), profile)
+    device = DeviceModel(cache, uploads=cache.warm_start(profile) if profile is not None else [])
+    source = SyntheticSource(LOCALITY_MODELS["qwen3"], WARM_LAYERS, WARM_EXPERTS, WARM_K, seed=5)
+    for key in ("earlier-1", "earlier-2"):  # advance the source past the profile's streams
+        source.route([key] * 200)
+    ids = np.stack([source.route(["new"])[:, 0] for _ in range(tokens)])  # [tokens, layers, top_k]
+    return np.array([device.step({layer: ids[t, layer].tolist() for layer in range(WARM_LAYERS)})[0]
+                     for t in range(tokens)]) / (WARM_LAYERS * WARM_K)
+
+
+def earlier_profile() -> Profile:
+    """The uses of two earlier requests of the same model (its routers' popularity, their own hot experts)."""
+    source, profile = SyntheticSource(LOCALITY_MODELS["qwen3"], WARM_LAYERS, WARM_EXPERTS, WARM_K, seed=5), Profile()
+    for key in ("earlier-1", "earlier-2"):
+        for _ in range(200):
+            ids = source.route([key])[:, 0]
+            for layer in range(WARM_LAYERS):
+                profile.add(layer, ids[layer].tolist())
+    return profile
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5])
+@pytest.mark.parametrize("policy", ["lru", "decay", "lfru"])
+def test_policies_reach_their_steady_state_within_64_tokens_and_a_profile_never_delays_it(policy: str,
+                                                                                           share: float) -> None:
+    cold = new_request_hits(policy, share, None)
+    steady = cold[200:].mean()
+    # NOTE: 0.02: windows of one drifting stream differ by about 1% (an lfru seeded with a whole halving period of a
+    # profile's uses was 12 points below cold for 64 tokens)
+    assert cold[64:128].mean() >= steady - 0.02, f"cold: {cold[64:128].mean():.3f} against {steady:.3f}"
+    warm = new_request_hits(policy, share, earlier_profile())
+    # a profile of other requests starts closer to the steady state and is not in the way afterwards
+    assert warm[:16].mean() >= cold[:16].mean() - 0.02
+    assert warm[16:64].mean() >= cold[16:64].mean() - 0.02, f"{warm[16:64].mean():.3f} < {cold[16:64].mean():.3f}"
