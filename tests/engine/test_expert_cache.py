@@ -60,7 +60,7 @@ def step(cache: ExpertCache, layers: dict[int, tuple[torch.Tensor, torch.Tensor,
          num_tokens: int) -> tuple[dict[int, torch.Tensor], StepRecord]:
     """One step as the engine runs it: changes out, the step, uploads started, the last record processed,
     this step's record taken."""
-    cache.prepare_step()
+    cache.prepare_step(num_tokens)
     cache.dispatcher.begin_step(num_tokens)
     outs = {layer: cache.dispatcher(layer, *args) for layer, args in layers.items()}
     cache.dispatcher.end_step()
