@@ -158,6 +158,9 @@ class CacheManager:
             self.published[row, expert] = -1
             if self._uploading.get((gid, slot)) == (layer, expert):
                 del self._uploading[(gid, slot)]
+            # NOTE: an upload decided since the last launch (a flush in between) is dropped, not started
+            self._queued = [(g, p) for g, p in self._queued
+                            if (g, p.slot, p.layer, p.expert) != (gid, slot, layer, expert)]
         touched = set()
         for ring, slot in decision.offers:
             index = self.ring_index[(gid, ring)]

@@ -17,6 +17,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.expert_cache.cache import ExpertCache, build_expert_cache
 from engine.expert_cache.device import CopyEngine, CopyHandle
 from engine.expert_cache.plan import CacheBudgetError
+from engine.expert_cache.policy import Decision, Promotion
 from engine.expert_cache.profile import Profile
 from engine.expert_cache.record import HIT, LANDED, ON_CPU, PAD, STAGED, StepRecord
 from engine.expert_cache.store import ExpertStore
@@ -25,7 +26,7 @@ from engine.llm_engine import LLMEngine
 from engine.trace import RoutingTrace
 from engine.types import Request, SamplingParams
 from engine.weights import ModelWeights, load_weights
-from ops.cache_step import begin_step_torch
+from ops.cache_step import PUBLISH, begin_step_torch
 from tests.engine.reference_experts import ReferenceExperts
 from tools.routing import make_router
 from tools.synth import PRESETS, with_overrides, write_synth
@@ -221,6 +222,21 @@ def test_a_slot_reassigned_in_flight_is_not_published_for_the_old_expert(weights
     residents = cache.table_residents()
     assert len(set(residents.values())) == len(residents)  # a slot holds one expert
     assert published_bytes_match(cache)
+    cache.close()
+
+
+def test_an_upload_evicted_before_it_started_is_never_published(weights: ModelWeights) -> None:
+    """Two decisions with no launch between them (the engine flushes before a prompt and when idle): the second
+    evicts what the first queued for upload; that copy is dropped, so the slot's next owner is the only one."""
+    cache = make_cache(weights, policy="lru", miss_mode="cpu", budget_mib=1)
+    m, layer = cache.manager, weights.moe_layers[0]
+    row = cache.dispatcher.rows[layer]
+    m._apply(0, Decision(uploads=[Promotion(3, layer, 5, None)]))  # queued, started after the next launch
+    m._apply(0, Decision(evictions=[((layer, 5), 3)]))
+    m.start_uploads()
+    m.wait_uploads()
+    assert not [c for c in m.changes() if c[0] == PUBLISH and c[1:3] == (row, 5)]
+    assert m.published[row, 5] == -1
     cache.close()
 
 
