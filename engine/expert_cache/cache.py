@@ -44,14 +44,11 @@ class ExpertCache:
             placement, plan, cfg, stats, split, cpu
         self._pending: StepRecord | None = None
         self._split: tuple[float, float] | None = None  # a new hybrid (share, lead) for the next step
-        self._last_tokens = 1  # tokens of the last decode step
 
     # -- around each step ---------------------------------------------------------------------------------
     def prepare_step(self, num_tokens: int = 1) -> None:
         if num_tokens <= self.cfg.max_cached_batch:  # a decode step: its misses land
-            if num_tokens > self._last_tokens:
-                self.manager.reserve(num_tokens)
-            self._last_tokens = num_tokens
+            self.manager.reserve(num_tokens)
         if self._split is not None:  # between steps: the device reads them in every layer
             self.manager.tables.share.fill_(self._split[0])
             self.manager.tables.lead.fill_(self._split[1])

@@ -116,8 +116,8 @@ class CacheManager:
             self._apply(gid, policy.observe(ids, landed))
 
     def reserve(self, num_tokens: int) -> None:
-        """Before a step with more tokens than the last (a prompt joining): offers for its misses
-        (`CachePolicy.reserve`), on the changes of that step."""
+        """Before each decode step: a step with more tokens than the last (a prompt joining) gets offers for
+        its misses (`CachePolicy.reserve`), on the changes of that step."""
         for gid, policy in self.policies.items():
             self._apply(gid, policy.reserve(num_tokens))
 
@@ -158,9 +158,10 @@ class CacheManager:
             self.published[row, expert] = -1
             if self._uploading.get((gid, slot)) == (layer, expert):
                 del self._uploading[(gid, slot)]
-            # NOTE: an upload decided since the last launch (a flush in between) is dropped, not started
-            self._queued = [(g, p) for g, p in self._queued
-                            if (g, p.slot, p.layer, p.expert) != (gid, slot, layer, expert)]
+        if self._queued and decision.evictions:
+            # NOTE: an upload decided since the last launch (a flush in between) and evicted is dropped, not started
+            evicted = {(gid, slot, layer, expert) for (layer, expert), slot in decision.evictions}
+            self._queued = [(g, p) for g, p in self._queued if (g, p.slot, p.layer, p.expert) not in evicted]
         touched = set()
         for ring, slot in decision.offers:
             index = self.ring_index[(gid, ring)]

@@ -130,6 +130,7 @@ class CachePolicy(ABC):
             self.ring_of_slot[r.slots.start:r.slots.stop] = i
         self._misses = np.zeros(len(self.rings))  # recent missed experts a step, per ring
         self._token_misses = np.zeros(len(self.rings))  # the same per token of the step
+        self._last_tokens = 1  # tokens of the last step `reserve` was told of
 
     # -- state ----------------------------------------------------------------------------------------
     def slot_of(self, layer: int, expert: int) -> int | None:
@@ -177,12 +178,13 @@ class CachePolicy(ABC):
         return decision
 
     def reserve(self, num_tokens: int) -> Decision:
-        """Before a step of `num_tokens` (applied at once, between steps): each ring offers at least
-        `RESERVE` x its recent misses per token x `num_tokens`, so a prompt's misses land too (a new
-        request misses more than the last one did, and refills follow a step late). Nothing where
-        misses do not land."""
-        decision = Decision()
-        if self.landing and self.offers_slots:
+        """Before each decode step, of `num_tokens` (applied at once, between steps): a step of more tokens
+        than the last gets each ring offering at least `RESERVE` x its recent misses per token x
+        `num_tokens`, so a prompt's misses land too (a new request misses more than the last one did, and
+        refills follow a step late). Nothing where misses do not land."""
+        decision, larger = Decision(), num_tokens > self._last_tokens
+        self._last_tokens = num_tokens
+        if larger and self.landing and self.offers_slots:
             wanted = np.ceil(RESERVE * self._token_misses * num_tokens - 0.1).astype(np.int64)
             self._refill(decision, np.maximum(self._targets(), self._capped(wanted)), np.zeros(0, np.int64))
         return decision

@@ -30,7 +30,6 @@ class DeviceModel:
         self.rings: list[deque[int]] = [deque() for _ in policy.rings]
         self.pending: deque[Decision] = deque()
         self.landings = self.uploads = 0
-        self.last_tokens = 1
         self.apply(policy.start())
 
     def apply(self, decision: Decision) -> None:
@@ -48,9 +47,8 @@ class DeviceModel:
         """As the engine before a step: a step of more tokens than the last gets offers for its misses at
         once (`CachePolicy.reserve`). `step` calls it; called first, `step` adds nothing."""
         num_tokens = max((-(-len(ids) // self.policy.group.top_k) for ids in used.values()), default=1)
-        decision = self.policy.reserve(num_tokens) if num_tokens > self.last_tokens else Decision()
+        decision = self.policy.reserve(num_tokens)
         self.apply(decision)
-        self.last_tokens = num_tokens
         return decision
 
     def step(self, used: Mapping[int, Sequence[int]]) -> tuple[int, dict[Expert, int], Decision]:
