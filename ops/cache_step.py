@@ -58,6 +58,28 @@ class SlotTables:
         return int(self.state.shape[1])
 
 
+TASK_BITS = 16  # a ring word is seq << TASK_BITS | task
+
+
+@dataclass(frozen=True)
+class Bell:
+    """The doorbell of a step's CPU jobs (`ops/csrc/bell.h`). `words`: int64 `[16]` of pinned host memory,
+    `[0]` the ring (seq << TASK_BITS | task: written by the device once the layer's job is written, when it
+    has CPU pairs) and `[8]` done (seq: written by the CPU's watcher once the job's output is); `state`: int64
+    `[2]` on the device, the last sequence number rung and whether the current layer rang (1 or 0), which
+    the kernel that adds the CPU's output reads (it waits for done >= seq first)."""
+
+    words: torch.Tensor
+    state: torch.Tensor
+
+    RING, DONE = 0, 8  # word indexes (a cache line apart)
+
+    @classmethod
+    def allocate(cls, device: torch.device) -> Bell:
+        pin = device.type == "cuda"
+        return cls(torch.zeros(16, dtype=torch.int64, pin_memory=pin), torch.zeros(2, dtype=torch.int64, device=device))
+
+
 @dataclass(frozen=True)
 class CpuJob:
     """What the CPU computes for one layer: pinned host memory the device writes and the CPU reads
@@ -70,16 +92,17 @@ class CpuJob:
     on_cpu: torch.Tensor  # int32 [max_tokens * top_k]: nonzero where the CPU computes the pair
     num_tokens: torch.Tensor  # int32 [1]
     out: torch.Tensor  # float32 [max_tokens, hidden]
+    bell: Bell | None = None  # rung by `assign_experts` when the layer has CPU pairs (None: the host runs the job)
 
     @classmethod
-    def allocate(cls, max_tokens: int, top_k: int, hidden: int, pin: bool) -> CpuJob:
+    def allocate(cls, max_tokens: int, top_k: int, hidden: int, pin: bool, bell: Bell | None = None) -> CpuJob:
         def new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
         pairs = max_tokens * top_k
         return cls(new((max_tokens, hidden), torch.float32), new((pairs,), torch.int32),
                    new((pairs,), torch.float32), new((pairs,), torch.int32), new((1,), torch.int32),
-                   new((max_tokens, hidden), torch.float32))
+                   new((max_tokens, hidden), torch.float32), bell)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -160,6 +183,17 @@ def assign_experts_torch(row: int, expert_ids: torch.Tensor, weights: torch.Tens
     record[:num_pairs, 1], record[:num_pairs, 2] = outcome.to(record), slots.to(record)
     if job is not None:
         _write_job(job, ids, valid, outcome, weights, x)
+        if job.bell is not None:
+            ring_bell_torch(job.bell, row, bool((outcome == ON_CPU).any()))
+
+
+def ring_bell_torch(bell: Bell, task: int, rang: bool) -> None:
+    """The device's ring, after the job is written: the next sequence number when the layer has CPU pairs."""
+    bell.state[1] = int(rang)
+    if rang:
+        seq = int(bell.state[0]) + 1
+        bell.state[0] = seq
+        bell.words[Bell.RING] = seq << TASK_BITS | task
 
 
 def _write_job(job: CpuJob, ids: torch.Tensor, valid: torch.Tensor, outcome: torch.Tensor, weights: torch.Tensor,

@@ -5,8 +5,8 @@ F32; AVX-512 VNNI, AVX2 or portable C, picked at compile time) in one call per l
 to torch (row tiles dequantized with `ops.quants`) for other types or when no C compiler is present.
 The kernel runs on a persistent native worker pool (`NativeExperts.start_pool`) with the calling thread.
 The kernel computes the bank's `ExpertMath` (biases by expert id; silu, gpt-oss's clamped SwiGLU or the
-tanh GELU). `ExpertTask` is the same computation as a native task a CUDA graph's host node runs
-(`cuLaunchHostFunc` with `ExpertTask.function_address` and `ExpertTask.address`): no Python and no GIL on that path.
+tanh GELU). `ExpertTask` is the same computation as a native task, which `BellWatcher`'s thread runs when a
+device kernel rings for it in the middle of a CUDA graph: no Python, no GIL and no CUDA call on that path.
 `ops.expert_ffn.expert_ffn_reference` is the slow, obviously-correct twin the tests check it against.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from gguf import GGMLQuantizationType
 
 from ops import native, quants
 from ops.bank import ExpertWeights
+from ops.cache_step import Bell
 from ops.expert_math import ExpertMath
 
 QType = GGMLQuantizationType
@@ -105,6 +107,12 @@ class NativeExperts:
         lib.moe_task_size.restype = ctypes.c_size_t
         self.task_run = lib.moe_task_run
         self.task_run.argtypes, self.task_run.restype = [ptr], None
+        lib.moe_bell_start.argtypes = [ptr, ptr, ctypes.POINTER(ctypes.c_void_p), i64, i64]
+        lib.moe_bell_start.restype = ptr
+        lib.moe_bell_stop.argtypes, lib.moe_bell_stop.restype = [ptr], None
+        lib.moe_bell_answered.argtypes, lib.moe_bell_answered.restype = [ptr], i64
+        self.bell_start, self.bell_stop, self.bell_answered = lib.moe_bell_start, lib.moe_bell_stop, \
+            lib.moe_bell_answered
         if ctypes.sizeof(MoeTaskStruct) != lib.moe_task_size():
             raise RuntimeError("MoeTaskStruct does not match struct moe_task in ops/csrc/cpu_experts.c")
 
@@ -184,10 +192,10 @@ def _host_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> 
 
 
 class ExpertTask:
-    """One layer's CPU-computed pairs as a native task (`struct moe_task`), for a CUDA graph's host node:
-    `cuLaunchHostFunc(stream, function_address, address)`; `run()` makes the same call from Python.
+    """One layer's CPU-computed pairs as a native task (`struct moe_task`) that `BellWatcher` runs when a
+    device kernel rings for it (`moe_task_run(address)`); `run()` makes the same call from Python.
 
-    The task reads its inputs when it runs (pinned tensors a GPU kernel writes before the host node):
+    The task reads its inputs when it runs (pinned tensors a GPU kernel writes before it rings):
     x float32 [max_tokens, hidden]; expert_ids int32, weights float32, on_cpu int32 [max_tokens, top_k]
     (pair p is token p // top_k's; it is computed where on_cpu[p] != 0 and expert_ids[p] >= 0);
     num_tokens int32 [1]. It writes out float32 [max_tokens, hidden] rows < num_tokens: the weighted sum of
@@ -239,6 +247,39 @@ class ExpertTask:
     def counters(self) -> TaskCounters:
         s = self.struct
         return TaskCounters(s.calls, s.pairs, s.experts, s.bytes, s.busy_ns, s.error)
+
+
+class BellWatcher:
+    """The native thread that answers a device's rings (`ops.cache_step.Bell`, `ops/csrc/bell.h`): when the ring
+    word `words[RING]` changes to seq << TASK_BITS | i, it runs `tasks[i]` (None: nothing) and writes seq to
+    `words[DONE]`. It spins `spin_us` after each answer, then polls with sleeps. `close()` stops it; the tasks
+    and the words must live until then (kept here)."""
+
+    def __init__(self, words: torch.Tensor, tasks: Sequence[ExpertTask | None], spin_us: int,
+                 lib: NativeExperts | None = None) -> None:
+        lib = lib or load_native()
+        if lib is None:
+            raise ValueError("BellWatcher needs the native kernel")
+        _host_tensor("words", words, torch.int64, 16)
+        addresses = (ctypes.c_void_p * max(len(tasks), 1))(*(t.address if t is not None else None for t in tasks))
+        self._lib, self._keep = lib, (words, list(tasks))
+        ring, done = (words.data_ptr() + 8 * i for i in (Bell.RING, Bell.DONE))
+        self._handle = lib.bell_start(ring, done, addresses, len(tasks), spin_us)
+        if not self._handle:
+            raise RuntimeError(f"could not start the bell watcher for {len(tasks)} tasks")
+
+    @property
+    def answered(self) -> int:
+        """Rings answered so far."""
+        return int(self._lib.bell_answered(self._handle)) if self._handle else 0
+
+    def close(self) -> None:
+        if self._handle:
+            self._lib.bell_stop(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 _wrap = functools.cache(NativeExperts)

@@ -116,6 +116,8 @@ class ExpertCache:
     def close(self) -> list[str]:
         self.flush()
         self.manager.close()
+        if self.cpu is not None:
+            self.cpu.close()
         if self.observers.profile is not None and self.cfg.profile_out:
             self.observers.profile.save(self.cfg.profile_out)
         return self.stats.summary_lines()
@@ -163,8 +165,8 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, max_tokens: int, mo
     stats = CacheStats(plan.cache_bytes, plan.num_slots)
     rows = {layer: i for i, layer in enumerate(moe_layers)}
     device_path = on_device(device)
-    cpu = CpuTasks(host, max_tokens, hp.top_k, hp.hidden, device, cfg.cpu_threads or default_cpu_threads(device)) \
-        if cfg.mode.uses_cpu and host else None
+    cpu = CpuTasks(host, rows, max_tokens, hp.top_k, hp.hidden, device,
+                   cfg.cpu_threads or default_cpu_threads(device)) if cfg.mode.uses_cpu and host else None
     cap = link_cap(cfg, device)
     split = Split(cfg.mode, device, next(iter(host.values()), None), device_path, link_cap_gbps=cfg.link_gbps,
                   cpu=cpu)

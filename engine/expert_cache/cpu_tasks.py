@@ -3,35 +3,32 @@
 The device writes the layer's CPU job (the MoE input rows, the routing, which pairs are the CPU's:
 `ops.cache_step.assign_experts`) into pinned memory shared by the layers; the layer's task computes
 those pairs from the experts in host RAM into the job's output, which the device adds to its own
-experts' sum. On CUDA the task is a host node on a side stream (`ops.cuda_host`): the device computes
-the hits while the CPU computes the misses, with no Python and no host sync in the step, so the step
-stays one CUDA graph. On a CPU device the same task runs in place.
+experts' sum. On CUDA, with native tasks, the kernel that writes the job rings a doorbell in pinned
+memory and a native watcher thread runs the task (`ops.cpu_experts.BellWatcher`); the device computes
+the hits meanwhile and waits for the answer before it adds the output (`ops.triton.bell`): no Python,
+no host sync and no CUDA call on the host, so the step stays one CUDA graph. On a CPU device the same
+task runs in place.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
 from ops.bank import ExpertWeights
-from ops.cache_step import CpuJob
-from ops.cpu_experts import ExpertTask, TaskCounters, expert_ffn_cpu, load_native
-from ops.cuda_host import launch_host_func
+from ops.cache_step import Bell, CpuJob
+from ops.cpu_experts import BellWatcher, ExpertTask, TaskCounters, expert_ffn_cpu, load_native
 
-DECODE_SPIN_US = 2000  # idle pool workers spin this long before they sleep, where tasks are host nodes
+# NOTE: a decode step rings every ~100 us: the watcher and the pool's workers spin this long after a task
+# before they sleep (the pool's default is 200 us), so the next layer's task starts at once
+DECODE_SPIN_US = 2000
 
 
 class Task(Protocol):
-    @property
-    def function_address(self) -> int: ...  # a native `void fn(void *)`, or 0
-
-    @property
-    def address(self) -> int: ...  # its argument
-
     def run(self) -> None: ...
 
     @property
@@ -40,10 +37,7 @@ class Task(Protocol):
 
 class PythonTask:
     """A layer's CPU pairs through `expert_ffn_cpu` (expert types or an activation the native task lacks, or no C
-    compiler): the same job and result, run from Python only (not a host node: such steps are not captured)."""
-
-    function_address = 0
-    address = 0
+    compiler): the same job and result, run from Python only (such steps are not captured)."""
 
     def __init__(self, bank: ExpertWeights, job: CpuJob, num_threads: int) -> None:
         self.bank, self.job, self.num_threads = bank, job, num_threads
@@ -94,20 +88,22 @@ class CpuWork:
 
 
 class CpuTasks:
-    def __init__(self, host: Mapping[int, ExpertWeights], max_tokens: int, top_k: int, hidden: int,
-                 device: torch.device, num_threads: int) -> None:
-        self.device = device
+    def __init__(self, host: Mapping[int, ExpertWeights], rows: Mapping[int, int], max_tokens: int, top_k: int,
+                 hidden: int, device: torch.device, num_threads: int) -> None:
+        """rows: the MoE row of each layer (the task index the device rings with)."""
+        self.device, self.rows = device, rows
         self.job = CpuJob.allocate(max_tokens, top_k, hidden, pin=device.type == "cuda")
         self.tasks: dict[int, Task] = {layer: make_task(bank, self.job, num_threads) for layer, bank in host.items()}
         self.num_experts = {layer: bank.num_experts for layer, bank in host.items()}
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        if self.side is not None and self.is_native:
-            # NOTE: a decode step starts a layer's task every few hundred microseconds, after the device's
-            # attention and router: workers that wait that long spinning start it at once, where workers
-            # asleep in the kernel are woken one by one (the pool's default spin is 200 us)
+        self.watcher: BellWatcher | None = None
+        if device.type == "cuda" and self.is_native:
             native = load_native()
             assert native is not None, "native tasks need the native library"
             native.start_pool(num_threads, spin_us=DECODE_SPIN_US)
+            self.job = replace(self.job, bell=Bell.allocate(device))
+            by_row = {rows[layer]: task for layer, task in self.tasks.items() if isinstance(task, ExpertTask)}
+            table = [by_row.get(row) for row in range(max(rows.values(), default=-1) + 1)]
+            self.watcher = BellWatcher(self.job.bell.words, table, DECODE_SPIN_US)  # type: ignore[union-attr]
 
     def run(self, layer: int) -> None:
         """Compute the layer's CPU pairs now (the job must be written)."""
@@ -115,30 +111,30 @@ class CpuTasks:
 
     @property
     def is_native(self) -> bool:
-        """Every task is native code a CUDA graph can call as a host node."""
-        return all(task.function_address for task in self.tasks.values())
+        """Every task is native code (no Python, no GIL)."""
+        return all(isinstance(t, ExpertTask) for t in self.tasks.values())
 
-    def launch(self, layer: int) -> Callable[[], None]:
-        """Start the layer's task beside the device's work queued so far; returns the join that makes the
-        current stream wait for the task (call it before reading the job's output)."""
-        if self.side is None or not self.is_native:
-            if self.side is not None:  # NOTE: a host sync: such a step is never captured
+    @property
+    def rings(self) -> bool:
+        """The device rings for every task (CUDA, native tasks): a step needs no host sync."""
+        return self.watcher is not None
+
+    def launch(self, layer: int) -> None:
+        """After the layer's job is written: where the device rings, nothing (the watcher runs the task); else
+        the task runs now, after a host sync (such a step is never captured)."""
+        if self.watcher is None:
+            if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             self.run(layer)
-            return lambda: None
-        main = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(main)
-        task = self.tasks[layer]
-        launch_host_func(self.side, task.function_address, task.address)
-        side = self.side
-        return lambda: main.wait_stream(side)
 
     def device_seconds(self, layer: int, experts: int, repeats: int = 9) -> float:
-        """CUDA, native tasks: how long the device waits for the layer's task computing `experts` experts of one
-        token (other experts each time, so they come from DRAM), from its launch to its join; the median."""
+        """CUDA, a ringing device: how long the device waits for the layer's task computing `experts` experts of
+        one token (other experts each time, so they come from DRAM), from its ring to the answer; the median."""
         from ops.triton import hold
+        from ops.triton.bell import ring_and_wait
 
         job, main, times = self.job, torch.cuda.current_stream(self.device), []
+        assert job.bell is not None, "the device rings"
         pairs, n = job.expert_ids.shape[0], self.num_experts[layer]
         top_k = pairs // job.x.shape[0]
         for r in range(repeats):
@@ -149,12 +145,16 @@ class CpuTasks:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             hold(200_000, self.device)  # the device waits here while the host queues what is timed
             start.record(main)
-            self.launch(layer)()
+            ring_and_wait(job.bell, self.rows[layer])
             end.record(main)
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         job.num_tokens[0] = 0
         return sorted(times)[len(times) // 2]
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
 
     def work(self) -> CpuWork:
         totals = [t.counters for t in self.tasks.values()]

@@ -1,7 +1,7 @@
 """The expert dispatcher: what the model calls for every MoE layer. It computes each (token, expert) pair
 of the step exactly once: resident layers on the device; host layers' hits from their cache slots,
 misses streamed by the device (copied from pinned host memory inside the expert kernels, landing in a
-free slot when the policy offered one) or computed by the CPU (a host node beside the device's work).
+free slot when the policy offered one) or computed by the CPU (a task the device rings for, beside its own work).
 
 The step kind is decided once per step: a decode step (up to `max_cached_batch` tokens) uses the cache
 as above, with no host sync, so it is captured as one CUDA graph; a larger batch (a prompt) stages
@@ -12,7 +12,7 @@ record (`record.py`), which the forward copies to the host as its last operation
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -75,7 +75,7 @@ class ExpertDispatcher:
     @property
     def is_graph_safe(self) -> bool:
         """A decode step makes no host sync: it can be captured as a CUDA graph."""
-        return self.on_device and (self.cpu is None or self.cpu.is_native)
+        return self.on_device and (self.cpu is None or self.cpu.rings)
 
     # -- the host, before a step is launched ------------------------------------------------------------
     def prepare(self, changes: list[Change]) -> None:
@@ -146,11 +146,12 @@ class ExpertDispatcher:
         if self.cap is not None and layer in self.fill:
             hold_fills(expert_ids.reshape(-1), self.fill[layer].flags,
                        self.cap.extra_ns(self.host[layer].expert_bytes))
-        join: Callable[[], None] | None = self.cpu.launch(layer) if self.cpu is not None else None
+        if self.cpu is not None:
+            self.cpu.launch(layer)
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
         return grouped_expert_ffn(x, tokens, experts, pair_weights, self.cur[layer], torch.empty_like(x),
                                   fill=self.fill.get(layer), extra=job.out if job is not None else None,
-                                  extra_ready=join)
+                                  extra_bell=job.bell if job is not None else None)
 
     def _decode_in_place(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                          weights: torch.Tensor) -> torch.Tensor:

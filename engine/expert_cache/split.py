@@ -78,7 +78,7 @@ def measure_stream_gbps(bank: ExpertWeights, device: torch.device, num_experts: 
 
 
 def cpu_task_costs(tasks: CpuTasks, layer: int, top_k: int) -> tuple[float, float]:
-    """(fixed, per expert) seconds of a layer's CPU task as the device waits for it (CUDA, native tasks)."""
+    """(fixed, per expert) seconds of a layer's CPU task as the device waits for it (CUDA, a ringing device)."""
     one = tasks.device_seconds(layer, 1)
     if top_k < 2:
         return 0.0, one
@@ -107,7 +107,7 @@ class Split:
         else:
             self.link_gbps = measure_stream_gbps(bank, device) if on_device else measure_link_gbps(device)
             self.link_gbps = min(self.link_gbps, link_cap_gbps or self.link_gbps)
-            if on_device and cpu is not None and cpu.is_native:
+            if on_device and cpu is not None and cpu.rings:
                 top_k = cpu.job.expert_ids.shape[0] // cpu.job.x.shape[0]
                 self.fixed_seconds, per = cpu_task_costs(cpu, next(iter(cpu.tasks)), top_k)
                 self.cpu_gbps = bank.expert_bytes / per / 1e9

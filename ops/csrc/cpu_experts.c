@@ -13,7 +13,7 @@
  * on the thread count.
  *
  * Two entry points: moe_expert_ffn (pairs as arrays, from Python through ctypes) and moe_task_run (a
- * moe_task, from a CUDA graph's host node: no Python, no GIL, no CUDA). Calls are serialized: one layer
+ * moe_task, from the watcher a GPU kernel rings, bell.h: no Python, no GIL, no CUDA). Calls are serialized: one layer
  * at a time owns the pool and the scratch.
  */
 #define _GNU_SOURCE
@@ -24,6 +24,7 @@
 #include "kquants.h"
 #include "layer.h"
 #include "pool.h"
+#include "bell.h"
 #include "simple.h"
 
 enum {
@@ -190,10 +191,10 @@ int moe_expert_ffn(const float *x, int64_t num_tokens, const int64_t *token_ids,
     return err;
 }
 
-/* ---- entry point: a task, for a CUDA graph's host node ---- */
+/* ---- entry point: a task, run by the bell watcher (bell.h) when a GPU kernel rings for it ---- */
 
 typedef struct moe_task { /* mirrored by MoeTaskStruct in ops/cpu_experts.py */
-    /* inputs: pinned host memory that a GPU kernel writes before the host node runs */
+    /* inputs: pinned host memory that a GPU kernel writes before it rings */
     const float *x;            /* [max_tokens, hidden] */
     const int32_t *expert_ids; /* [max_tokens * top_k]: pair p belongs to token p / top_k; < 0: none */
     const float *weights;      /* [max_tokens * top_k] */
@@ -269,6 +270,16 @@ void moe_task_run(void *task) {
     count_task(t, &L, start);
     pthread_mutex_unlock(&g_lock);
 }
+
+/* Answer the device's rings with moe_task_run(tasks[i]) on a watcher thread (bell.h); NULL on failure. */
+void *moe_bell_start(const int64_t *ring, int64_t *done, void *const *tasks, int64_t num_tasks, int64_t spin_us) {
+    return bell_start(ring, done, moe_task_run, tasks, num_tasks, spin_us);
+}
+
+void moe_bell_stop(void *bell) { bell_stop(bell); }
+
+/* Rings answered so far. */
+int64_t moe_bell_answered(void *bell) { return atomic_load(&((moe_bell *)bell)->answered); }
 
 /* sizeof(moe_task), for the Python mirror's layout check */
 size_t moe_task_size(void) { return sizeof(moe_task); }

@@ -15,7 +15,8 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops import cache_step as codes
-from ops.cache_step import CpuJob, SlotTables
+from ops.cache_step import Bell, CpuJob, SlotTables
+from ops.triton.bell import ring_bell
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows
 
 # the outcome and change codes, as the kernels see them
@@ -33,8 +34,9 @@ def _assign_kernel(
     state, cur, host, staging, fill, scratch, pool_base, pool_stride, region_of, ring, head_of, tail_of, share_of,
     lead_of,
     num_experts, ring_capacity, record, pair_stride, field_stride,
-    job_x, job_ids, job_weights, job_on_cpu, job_tokens,
-    LANDING: tl.constexpr, JOB: tl.constexpr, DEDUP: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+    job_x, job_ids, job_weights, job_on_cpu, job_tokens, bell_words, bell_state,
+    LANDING: tl.constexpr, JOB: tl.constexpr, BELL: tl.constexpr, DEDUP: tl.constexpr, W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     p = tl.arange(0, W)
     in_pairs = p < num_pairs
@@ -96,13 +98,16 @@ def _assign_kernel(
         tl.store(job_ids + p, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
         tl.store(job_weights + p, tl.load(weights_ptr + p, mask=in_pairs, other=0.0).to(tl.float32), mask=in_pairs)
         tl.store(job_on_cpu + p, (pair_outcome == ON_CPU).to(tl.int32), mask=in_pairs)
-        if tl.sum((in_pairs & (pair_outcome == ON_CPU)).to(tl.int32), axis=0) > 0:
+        has_cpu_pairs = tl.sum((in_pairs & (pair_outcome == ON_CPU)).to(tl.int32), axis=0) > 0
+        if has_cpu_pairs:
             cols = tl.arange(0, BLOCK_H)
             for t in range(0, num_tokens):
                 for start in range(0, hidden, BLOCK_H):
                     c = start + cols
                     v = tl.load(x_ptr + t * x_stride + c, mask=c < hidden, other=0.0).to(tl.float32)
                     tl.store(job_x + t * hidden + c, v, mask=c < hidden)
+        if BELL:
+            ring_bell(bell_words, bell_state, row, has_cpu_pairs)
 
 
 def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, tables: SlotTables,
@@ -123,15 +128,15 @@ def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x:
     if job is not None and (job.x.shape[1] != x.shape[1] or job.expert_ids.shape[0] < num_pairs):
         raise ValueError(f"job of {job.expert_ids.shape[0]} pairs x {job.x.shape[1]} for {num_pairs} x {x.shape[1]}")
     j = job if job is not None else CpuJob(*(record,) * 6)  # unused pointers when there is no job
+    bell = j.bell if j.bell is not None else Bell(record, record)
     _assign_kernel[(1,)](
         expert_ids, weights, x, x.stride(0), num_pairs, top_k, x.shape[1], row,
         tables.state, tables.cur, tables.host, tables.staging, tables.fill, tables.scratch, tables.pool_base,
         tables.pool_stride, tables.region, tables.ring, tables.head, tables.tail, tables.share,
         tables.lead, tables.num_experts, tables.ring.shape[1], record, record.stride(0), record.stride(1),
-        j.x, j.expert_ids, j.weights, j.on_cpu, j.num_tokens,
-        LANDING=bool(landing), JOB=job is not None, DEDUP=tokens > 1, W=triton.next_power_of_2(num_pairs),
-        BLOCK_H=1024,
-        num_warps=4,
+        j.x, j.expert_ids, j.weights, j.on_cpu, j.num_tokens, bell.words, bell.state,
+        LANDING=bool(landing), JOB=job is not None, BELL=j.bell is not None, DEDUP=tokens > 1,
+        W=triton.next_power_of_2(num_pairs), BLOCK_H=1024, num_warps=4,
     )
 
 

@@ -11,12 +11,12 @@ sync and a grid that depends only on (pairs, shapes): a decode step can be captu
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ops.bank import ExpertWeights
+from ops.cache_step import Bell
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vector, resolve
 from ops.triton.combine import launch_combine
 from ops.triton.down import launch_down
@@ -47,15 +47,14 @@ DEFAULT_CONFIG = LaunchConfig()
 def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                        tables: ExpertTables, out: torch.Tensor | None = None,
                        config: LaunchConfig = DEFAULT_CONFIG, fill: Fill | None = None,
-                       extra: torch.Tensor | None = None,
-                       extra_ready: Callable[[], None] | None = None) -> torch.Tensor:
+                       extra: torch.Tensor | None = None, extra_bell: Bell | None = None) -> torch.Tensor:
     """x `[tokens, hidden]` (bf16/fp16/fp32); token_ids, expert_ids (int32/int64), weights `[pairs]`
     -> float32 `[tokens, hidden]`, or written into `out` if given (float32 or 16-bit). Pairs with expert
     id -1 (or out of range, or a pointer <= 0) are skipped. Q4_K, Q5_K, Q6_K and Q8_0 run dedicated
     kernels; other formats a gather + dequantize path. `fill`: experts first copied from host memory to
-    the tables' addresses (inside the kernels that read them); `extra`: float32 `[tokens, hidden]` added,
-    after `extra_ready()` (e.g. a stream wait for whoever writes it). The tables' math other than plain
-    (biases, another activation) runs the gather path."""
+    the tables' addresses (inside the kernels that read them); `extra`: float32 `[tokens, hidden]` added (the
+    CPU's share of the pairs), with `extra_bell` once the CPU answered (`ops.triton.bell`). The tables' math
+    other than plain (biases, another activation) runs the gather path."""
     num_pairs, num_tokens, device = expert_ids.shape[0], x.shape[0], tables.device
     check_rows("x", x, (num_tokens, tables.hidden), FLOAT_DTYPES, device)
     check_vector("token_ids", token_ids, num_pairs, INDEX_DTYPES, device)
@@ -79,9 +78,7 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
         y = torch.empty((num_pairs, tables.hidden), dtype=torch.float32, device=device)
         gate_up_fallback(x, token_ids, expert_ids, tables, h)
         down_fallback(h, expert_ids, weights, tables, y)
-    if extra_ready is not None:
-        extra_ready()
-    launch_combine(y, token_ids, out, extra=extra)
+    launch_combine(y, token_ids, out, extra=extra, bell=extra_bell)
     return out
 
 

@@ -76,7 +76,7 @@ def test_pairs_are_computed_once_and_outputs_equal_the_reference(arch_weights: M
 @pytest.mark.parametrize("mode", ["cpu", "hybrid"])
 def test_cpu_pairs_run_as_native_tasks(arch_weights: ModelWeights, mode: str) -> None:
     """The native kernel computes each layout's experts, gpt-oss's MXFP4 with biases and clamped SwiGLU among
-    them: the CPU's share of a step is a host node, never Python."""
+    them: the CPU's share of a step is native code the device rings for, never Python."""
     if load_native() is None:
         pytest.skip("no C compiler")
     cache = make_cache(arch_weights, miss_mode=mode, budget_mib=1)

@@ -84,12 +84,19 @@ def test_without_landing_misses_are_staged_and_the_ring_is_untouched() -> None:
 def test_hybrid_streams_the_first_share_of_misses_and_gives_the_rest_to_the_cpu() -> None:
     t = tables(cached=0)
     t.share[0] = 0.5
-    job = cs.CpuJob.allocate(4, 2, 4, pin=False)
+    bell = cs.Bell.allocate(torch.device("cpu"))
+    bell.state[0] = 41  # the last ring's number
+    job = cs.CpuJob.allocate(4, 2, 4, pin=False, bell=bell)
     record = assign(t, [[1, 2], [3, 1], [4, 5]], job=job)  # misses 1, 2, 3, 4, 5: round(2.5) = 3 streamed
     assert record[1].tolist() == [cs.LANDED, cs.LANDED, cs.STAGED, cs.LANDED, cs.ON_CPU, cs.ON_CPU]
     assert t.cur[0, :, 4].tolist() == [0, 0, 0] and int(t.fill[0, 4]) == 0  # the device skips CPU experts
     assert job.on_cpu[:6].tolist() == [0, 0, 0, 0, 1, 1] and job.expert_ids[:6].tolist() == [1, 2, 3, 1, 4, 5]
     assert int(job.num_tokens[0]) == 3 and job.x[:3].flatten().tolist() == list(range(12))
+    # the job written, the layer rings for its task (row 0) with the next number
+    assert bell.state.tolist() == [42, 1] and int(bell.words[cs.Bell.RING]) == 42 << cs.TASK_BITS | 0
+    t.share[0] = 1.0
+    assign(t, [[6, 7], [8, 9], [1, 2]], job=job)  # every miss streamed: no CPU pair, no ring
+    assert bell.state.tolist() == [42, 0] and int(bell.words[cs.Bell.RING]) == 42 << cs.TASK_BITS
 
 
 @pytest.mark.parametrize(("lead", "streamed"), [(0.0, 3), (0.6, 3), (1.0, 4), (9.0, 5)])
@@ -139,6 +146,9 @@ def random_step(seed: int, device: torch.device) -> None:
     base.share.copy_(torch.tensor([1.0, 0.5, 0.0, 0.25]))
     base.lead.copy_(torch.tensor([0.0, 0.0, 0.0, 1.2]))
     on = lambda t: t.to(device)  # noqa: E731
+    # the ring's inline PTX runs on CUDA only (not the interpreter); the bells live across the layers
+    bell_ref, bell_fused = (cs.Bell.allocate(d) for d in (torch.device("cpu"), device)) if device.type == "cuda" \
+        else (None, None)
     for tokens, row, landing in itertools.product((1, int(torch.randint(2, 9, (1,), generator=g))), range(4),
                                                   (True, False)):
         top_k = 4
@@ -148,8 +158,8 @@ def random_step(seed: int, device: torch.device) -> None:
         ref, fused = clone(base), on_device(base, on)
         rec_ref = torch.zeros(40, 3, 4, dtype=torch.int32)[:, :, row]  # a layer's strided part
         rec_fused = on(torch.zeros(40, 3, 4, dtype=torch.int32))[:, :, row]
-        job_ref = cs.CpuJob.allocate(8, top_k, 32, pin=False)
-        job_fused = cs.CpuJob.allocate(8, top_k, 32, pin=device.type == "cuda")
+        job_ref = cs.CpuJob.allocate(8, top_k, 32, pin=False, bell=bell_ref)
+        job_fused = cs.CpuJob.allocate(8, top_k, 32, pin=device.type == "cuda", bell=bell_fused)
         cs.assign_experts_torch(row, ids, weights, x, ref, rec_ref, landing, job_ref)
         from ops.triton.cache_step import assign_experts
         assign_experts(row, on(ids), on(weights), on(x), fused, rec_fused, landing, job_fused)
@@ -162,6 +172,9 @@ def random_step(seed: int, device: torch.device) -> None:
         assert torch.equal(rec_ref, rec_fused.cpu()), (row, landing)
         for f in ("x", "expert_ids", "weights", "on_cpu", "num_tokens"):
             assert torch.equal(getattr(job_ref, f), getattr(job_fused, f)), f
+        if bell_ref is not None and bell_fused is not None:
+            assert torch.equal(bell_ref.state, bell_fused.state.cpu()), (row, landing)
+            assert int(bell_ref.words[cs.Bell.RING]) == int(bell_fused.words[cs.Bell.RING]), (row, landing)
     record = torch.randint(-1, 4, (32, 3, 4), generator=g, dtype=torch.int32)
     record[:, 0] = torch.stack([torch.randperm(E, generator=g).repeat(2) for _ in range(4)]).T
     record[E:, 1][record[E:, 1] == cs.LANDED] = cs.HIT  # an expert lands once a step: its misses are deduped

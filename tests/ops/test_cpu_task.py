@@ -1,11 +1,13 @@
-"""The native task a CUDA graph's host node runs: bit-identical to the kernel on the flagged pairs, as close to
-the float reference, counters, bad input, and calls from threads no Python knows of."""
+"""The native task a decode step's device rings for: bit-identical to the kernel on the flagged pairs, as close to
+the float reference, counters, bad input, calls from threads no Python knows of, and the watcher that answers
+the device's rings (the device's side played here by the test: the GPU test is in tests/ops/test_bell.py)."""
 
 from __future__ import annotations
 
 import ctypes
 import gc
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +17,8 @@ import torch
 
 from ops import native
 from ops.bank import ExpertWeights, random_expert_weights
-from ops.cpu_experts import ExpertTask, NativeExperts, QType
+from ops.cache_step import TASK_BITS, Bell
+from ops.cpu_experts import BellWatcher, ExpertTask, NativeExperts, QType
 from ops.expert_ffn import expert_ffn_reference
 from tests.ops.test_cpu_experts import FORMATS, MATHS, assert_close, with_math
 
@@ -210,3 +213,53 @@ def test_host_threads_and_python_callers_at_once(lib: NativeExperts) -> None:
     assert not any(wrong)
     for s in steps:
         assert s.task.counters.calls == 20 and torch.equal(s.out[: int(s.num_tokens)], s.expected(lib))
+
+
+def wait_for(words: torch.Tensor, seq: int, timeout: float = 10.0) -> bool:
+    """Poll the answer word as the device does; False after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while int(words[Bell.DONE]) < seq:
+        if time.monotonic() > end:
+            return False
+        time.sleep(1e-4)
+    return True
+
+
+def test_the_watcher_runs_the_task_rung_for_and_answers_after_its_output(lib: NativeExperts) -> None:
+    w = random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q4_K, QType.Q4_K, QType.Q6_K, seed=41)
+    steps = [Step(lib, w, seed=42 + k, num_tokens=3 + k) for k in range(2)]
+    words = Bell.allocate(torch.device("cpu")).words
+    watcher = BellWatcher(words, [steps[0].task, None, steps[1].task], spin_us=500, lib=lib)
+    try:
+        for seq, task in enumerate((2, 0, 2, 1, 7), start=1):  # 1: no task there, 7: past the table
+            for s in steps:
+                s.out.fill_(float("nan"))
+            words[Bell.RING] = seq << TASK_BITS | task
+            assert wait_for(words, seq), f"ring {seq} (task {task}) not answered"
+            ran = {0: steps[0], 2: steps[1]}.get(task)
+            for s in steps:
+                n = int(s.num_tokens)
+                if s is ran:
+                    assert torch.equal(s.out[:n], s.expected(lib)), f"ring {seq}: the output is not the task's"
+                else:
+                    assert bool(s.out.isnan().all()), f"ring {seq}: a task that was not rung for ran"
+            assert watcher.answered == seq and int(words[Bell.DONE]) == seq
+        assert steps[0].task.counters.calls == 1 and steps[1].task.counters.calls == 2
+    finally:
+        watcher.close()
+    words[Bell.RING] = 6 << TASK_BITS
+    time.sleep(0.05)
+    assert int(words[Bell.DONE]) == 5 and watcher.answered == 0  # stopped: nothing answers
+
+
+def test_the_watcher_answers_after_an_idle_spell(lib: NativeExperts) -> None:
+    """Past its spin the watcher polls with sleeps: a ring after a quiet spell is still answered."""
+    step = Step(lib, random_expert_weights(NUM_EXPERTS, HIDDEN, FF, QType.Q8_0, seed=45), seed=46, num_tokens=2)
+    words = Bell.allocate(torch.device("cpu")).words
+    watcher = BellWatcher(words, [step.task], spin_us=100, lib=lib)
+    try:
+        time.sleep(0.05)
+        words[Bell.RING] = 1 << TASK_BITS
+        assert wait_for(words, 1) and torch.equal(step.out[:2], step.expected(lib))
+    finally:
+        watcher.close()

@@ -109,6 +109,19 @@ def assert_close(case: Case, out: torch.Tensor, ref: torch.Tensor, seed: int) ->
     return error
 
 
+def assert_same_values(case: Case, out: torch.Tensor, same: torch.Tensor, seed: int) -> None:
+    """The kernel over a quantized cache equals itself over the dequantized cache: bit for bit in float32; in a
+    16-bit dtype on a GPU within one rounding of the output (the tensor cores may sum a tile the kernel
+    dequantized in registers in another order than one it loaded; measured on the H200), where a wrong scale,
+    code or rounding of a value moves outputs by far more."""
+    if case.dtype == torch.float32 or out.device.type != "cuda":
+        assert torch.equal(out, same), f"{case} seed {seed}: not the values of the dequantized cache"
+        return
+    ulp = torch.finfo(case.dtype).eps * torch.maximum(out.float().abs(), same.float().abs()) + 1e-6
+    worst = ((out.float() - same.float()).abs() / ulp).max().item()
+    assert worst <= 1.0, f"{case} seed {seed}: {worst:.1f} roundings from the values of the dequantized cache"
+
+
 def run_case(case: Case, device: torch.device, seed: int) -> float:
     """Kernel output vs the reference for fresh random inputs; asserts and returns the max abs error."""
     q, k, v, slot_ids, positions = random_inputs(case, torch.Generator().manual_seed(seed))
@@ -123,7 +136,7 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
                            v_qtype=case.v_qtype)
     if case.qtypes != (None, None):
         same = decode_attention(q, k_dense, v_dense, slot_ids, positions, scale, num_splits=case.num_splits)
-        assert torch.equal(out, same), f"{case} seed {seed}: not the values of the dequantized cache"
+        assert_same_values(case, out, same, seed)
     return assert_close(case, out, ref, seed)
 
 
@@ -140,7 +153,7 @@ def run_prefill_case(case: Case, device: torch.device, seed: int) -> float:
     k_dense, v_dense = (t.to(device) for t in dense_caches(case, k, v))
     q, k, v = q.to(device), k.to(device), v.to(device)
     out = prefill_attention(q, k, v, slot, start, scale, *case.qtypes)
-    assert torch.equal(out, prefill_attention(q, k_dense, v_dense, slot, start, scale)), f"{case} seed {seed}"
+    assert_same_values(case, out, prefill_attention(q, k_dense, v_dense, slot, start, scale), seed)
     return assert_close(case, out, ref, seed)
 
 
