@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The H200 lease of docs/benchmarks.md ("The cached decode step and CPU-computed misses"), device calls back
 # to back on one machine (the machine goes back 30 s after a call returns):
-#   1: llama.cpp's CUDA build started in the background; the attention and cache-step kernel tests (the lease
-#      stops if they fail); then every gpu test of tests/ops and tests/engine while the model is written;
+#   1: llama.cpp's CUDA build started in the background; the attention, cache-step and doorbell kernel tests (the
+#      lease stops if they fail); then every gpu test of tests/ops and tests/engine (four pytest workers);
 #   2: the step profile of the cached batch-1 step (resident, 25/50/100%); resident and cached (stream) at
 #      batch 1 after a 400-token warm-up; llama.cpp's rows on the same file;
-#   3: every core free: the three miss modes with no cache, stream and hybrid at 25% (lru, decay) and 50%,
+#   3: every core free: the doorbell's round trip (.ci/gpu-bell-probe.py); the three miss modes with no cache,
+#      stream and hybrid at 25% (lru, decay) and 50%,
 #      8 sequences at 50%, small budgets against no cache (every policy), the miss modes on a 16 GB/s link.
 # Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | 3
 set -uo pipefail
@@ -27,10 +28,11 @@ case "$1" in
   bash .device/h200-llamacpp.sh build
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   # the attention and cache-step kernels every step runs compile and pass first, or the lease stops here
-  pytest_gpu kernels 120 -x tests/ops/test_triton_attention.py tests/ops/test_cache_step.py \
-    -k "(test_matches_reference and bf16) or graph_replay or test_write_kv_matches or test_kernels_equal" \
+  pytest_gpu kernels 120 -x tests/ops/test_triton_attention.py tests/ops/test_cache_step.py tests/ops/test_bell.py \
+    -k "(test_matches_reference and bf16) or graph_replay or test_write_kv_matches or test_kernels_equal or answer" \
     || { echo "kernel tests failed: stopping"; exit 1; }
-  BUDGET_S=420 TESTS="tests/ops tests/engine" TESTS_S=415 bash .ci/gpu-check tests
+  # NOTE: four pytest workers (pytest-xdist, carried as a wheel): the suite is mostly Triton compiles on the CPU
+  pytest_gpu suite 415 -n 4 --dist loadfile tests/ops tests/engine
   ;;
 2)
   BUDGET_S=130 PROFILE_S=125 PROFILE_LINES=120 bash .ci/gpu-check profile
@@ -44,6 +46,7 @@ case "$1" in
     | tee -a "$LOGS/llamacpp.log"
   ;;
 3)
+  timeout 60 python3 .ci/gpu-bell-probe.py 14 2>&1 | tee "$LOGS/bell-probe.log" | tail -8
   BUDGET_S=60 CACHED_S=55 CACHED_NAME=modes0 CACHED_FRACS=0 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 64 --gen-len 32 --repeats 1" bash .ci/gpu-check cached
   BUDGET_S=100 CACHED_S=95 CACHED_NAME=modes25 CACHED_FRACS=0.25 CACHED_POLICIES=lru,decay CACHED_MODES=stream,hybrid \

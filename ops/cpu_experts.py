@@ -229,7 +229,7 @@ class ExpertTask:
 
     @property
     def address(self) -> int:
-        """Address of the `struct moe_task`: the host function's argument."""
+        """Address of the `struct moe_task`: the argument of `moe_task_run`."""
         return ctypes.addressof(self.struct)
 
     @property

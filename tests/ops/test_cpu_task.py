@@ -183,7 +183,7 @@ def host_threads() -> ctypes.CDLL:
 
 
 def run_on_host_threads(tasks: list[ExpertTask], times: int) -> None:
-    """Each task run `times` times on a native thread of its own, all at once, as host nodes would."""
+    """Each task run `times` times on a native thread of its own, all at once, as watcher threads would."""
     args = (ctypes.c_void_p * len(tasks))(*(t.address for t in tasks))
     assert host_threads().run_on_host_threads(tasks[0].function_address, args, len(tasks), times) == 0
 
