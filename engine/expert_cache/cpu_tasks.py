@@ -154,6 +154,7 @@ class CpuTasks:
 
     def close(self) -> None:
         if self.watcher is not None:
+            torch.cuda.synchronize(self.device)  # NOTE: a step still running waits for its answers
             self.watcher.close()
 
     def work(self) -> CpuWork:
