@@ -73,6 +73,7 @@ class ExpertCache:
         """Take the finished step's record (to be processed while the next step runs)."""
         self.process()  # a record not processed yet (no step ran meanwhile) goes first
         self._pending = self.dispatcher.take_record()
+        self.manager.landed(self._pending)
         return self._pending
 
     def flush(self) -> None:

@@ -19,7 +19,7 @@ from engine.expert_cache.device import CopyEngine, CopyHandle, LinkCap, bank_sha
 from engine.expert_cache.plan import CachePlan
 from engine.expert_cache.policy import CachePolicy, Decision, PolicyConfig, Promotion, make_policy
 from engine.expert_cache.profile import Profile
-from engine.expert_cache.record import LANDED, StepRecord
+from engine.expert_cache.record import LANDED, ON_CPU, StepRecord
 from engine.expert_cache.stats import CacheStats
 from ops.bank import ExpertWeights
 from ops.cache_step import OFFER, PUBLISH, TAIL, UNPUBLISH, SlotTables
@@ -63,6 +63,7 @@ class CacheManager:
         self._queued: list[tuple[int, Promotion]] = []  # uploads decided, started after the next launch
         self._uploads: list[_Upload] = []
         self._uploading: dict[tuple[int, int], tuple[int, int]] = {}  # (group, slot) -> (layer, expert)
+        self._held_offers: list[tuple[int, int, int]] = []  # (group, ring, slot) offered once its copy is done
         if profile is not None:
             self._warm_start(profile)
         for gid, policy in self.policies.items():
@@ -113,7 +114,11 @@ class CacheManager:
             self.published[rows[landed[:, 0]], landed[:, 1]] = landed[:, 2]
             if len(landed):
                 self.stats.record_copies(len(landed), 0, 0)
-            self._apply(gid, policy.observe(ids, landed))
+            on_cpu = None
+            if self.cfg.mode.streams and self.cfg.mode.uses_cpu:  # hybrid: the CPU's misses are uploaded
+                at, pair = np.nonzero(record.outcome[rows] == ON_CPU)
+                on_cpu = np.unique(np.stack([at, ids[at, pair]], axis=1), axis=0).astype(np.int64)
+            self._apply(gid, policy.observe(ids, landed, on_cpu))
 
     def reserve(self, num_tokens: int) -> None:
         """Before each decode step: a step with more tokens than the last (a prompt joining) gets offers for
@@ -121,9 +126,30 @@ class CacheManager:
         for gid, policy in self.policies.items():
             self._apply(gid, policy.reserve(num_tokens))
 
+    def landed(self, record: StepRecord) -> None:
+        """Right after a step (before the next one's changes): an expert it landed that an upload queued or in
+        flight (hybrid) copies elsewhere is live where it landed (the device publishes landings at the next
+        step's start), so that copy is dropped or never published. The policy frees the copy's slot when it
+        sees the landing."""
+        if not (self._uploading or self._queued) or record.is_prefill:
+            return
+        rows, pairs = np.nonzero(record.outcome == LANDED)
+        if not len(rows):
+            return
+        layer_of = {row: layer for layer, row in self.rows.items()}
+        live = {(layer_of[r], int(record.ids[r, p])) for r, p in zip(rows.tolist(), pairs.tolist())}
+        for key, expert in list(self._uploading.items()):
+            if expert in live:
+                del self._uploading[key]
+        self._queued = [(gid, p) for gid, p in self._queued if (p.layer, p.expert) not in live]
+
     def changes(self) -> list[Change]:
         """The table changes for the next step (publishing finished uploads too); clears them."""
         self._publish_finished()
+        if self._held_offers:
+            busy = self._copy_targets()
+            self._offer([o for o in self._held_offers if (o[0], o[2]) not in busy])
+            self._held_offers = [o for o in self._held_offers if (o[0], o[2]) in busy]
         changes, self._changes = list(self._changes.values()), {}
         return changes
 
@@ -162,16 +188,29 @@ class CacheManager:
             # NOTE: an upload decided since the last launch (a flush in between) and evicted is dropped, not started
             evicted = {(gid, slot, layer, expert) for (layer, expert), slot in decision.evictions}
             self._queued = [(g, p) for g, p in self._queued if (g, p.slot, p.layer, p.expert) not in evicted]
+        # NOTE: a slot an upload still writes (hybrid: one evicted while its copy runs) is offered only once
+        # the copy is done, so nothing lands in it before the copy ends
+        busy = self._copy_targets() if decision.offers else set()
+        self._held_offers += [(gid, ring, slot) for ring, slot in decision.offers if (gid, slot) in busy]
+        self._offer([(gid, ring, slot) for ring, slot in decision.offers if (gid, slot) not in busy])
+        self._queued += [(gid, p) for p in decision.uploads]
+        self.stats.record_copies(0, len(decision.evictions), 0)
+
+    def _offer(self, offers: list[tuple[int, int, int]]) -> None:
+        """(group, ring, slot) onto the device's rings, for the device to land misses in."""
         touched = set()
-        for ring, slot in decision.offers:
+        for gid, ring, slot in offers:
             index = self.ring_index[(gid, ring)]
             self._changes[("ring", index, int(self.tail[index]))] = (OFFER, index, int(self.tail[index]), slot)
             self.tail[index] += 1
             touched.add(index)
         for index in touched:
             self._changes[("tail", index)] = (TAIL, index, int(self.tail[index]), 0)
-        self._queued += [(gid, p) for p in decision.uploads]
-        self.stats.record_copies(0, len(decision.evictions), 0)
+
+    def _copy_targets(self) -> set[tuple[int, int]]:
+        """(group, slot) of the uploads queued or not yet seen finished."""
+        return {(gid, p.slot) for gid, p in self._queued} | \
+            {(gid, slot) for upload in self._uploads for gid, _, _, slot in upload.entries}
 
     def _change(self, kind: int, row: int, expert: int, slot: int) -> None:
         self._changes[("state", row, expert)] = (kind, row, expert, slot)

@@ -160,11 +160,14 @@ class CachePolicy(ABC):
         return decision
 
     def observe(self, used: Mapping[int, Sequence[int] | np.ndarray] | np.ndarray,
-                landed: Mapping[Expert, int] | np.ndarray | None = None) -> Decision:
+                landed: Mapping[Expert, int] | np.ndarray | None = None,
+                on_cpu: np.ndarray | None = None) -> Decision:
         """One step: the ids each layer's tokens selected (layer -> ids, one per (token, k); or an array
-        `[layers of the group, pairs]`, -1 for none), and the experts the device landed in offered slots
-        (expert -> slot; or an array `[n, 3]` of (layer position in the group, expert, slot)). Returns
-        what to apply before the next step."""
+        `[layers of the group, pairs]`, -1 for none), the experts the device landed in offered slots
+        (expert -> slot; or an array `[n, 3]` of (layer position in the group, expert, slot)), and where
+        misses land, those the CPU computed instead (hybrid: `[n, 2]` of (layer position, expert)), which
+        are uploaded as where no miss lands: they never crossed the link. Returns what to apply before the
+        next step."""
         step = self._step_use(used)
         decision = Decision()
         landed_keys = self._take_landings({} if landed is None else landed, decision)
@@ -173,6 +176,8 @@ class CachePolicy(ABC):
         if self.landing:
             if self.offers_slots:
                 self._refill(decision, self._targets(), landed_keys)
+            if on_cpu is not None and len(on_cpu):
+                self._admit(decision, self._only(step, on_cpu))
         else:
             self._admit(decision, step)
         return decision
@@ -245,6 +250,12 @@ class CachePolicy(ABC):
         tokens = -(-valid.sum(axis=1) // self.group.top_k)  # ceil
         return StepUse(unique // num_experts, unique % num_experts, counts, tokens)
 
+    def _only(self, step: StepUse, experts: np.ndarray) -> StepUse:
+        """The step's uses of `experts` `[n, 2]` (layer position in the group, expert) alone."""
+        keys = step.rows * self.group.num_experts + step.experts
+        wanted = np.isin(keys, experts[:, 0].astype(np.int64) * self.group.num_experts + experts[:, 1])
+        return StepUse(step.rows[wanted], step.experts[wanted], step.counts[wanted], step.num_tokens)
+
     def _targets(self) -> np.ndarray:
         """Offered slots each ring keeps `[rings]`: twice its recent misses, at most a quarter of it."""
         wanted = np.full(len(self.rings), self.config.free_slots) if self.config.free_slots else \
@@ -268,10 +279,13 @@ class CachePolicy(ABC):
             raise ValueError(f"{(self.group.layers[rows[i]], int(experts[i]))} landed in slot {int(slots[i])}, "
                              f"which was not offered")
         self.is_offered[slots] = False
-        again = self.slot[rows, experts] >= 0  # already held elsewhere: give the slot back
+        # NOTE: an expert held elsewhere by an upload not yet published (hybrid) missed and landed: the landing,
+        # published by the device, wins; the upload's slot is freed (the engine offers it once its copy is done)
+        again = self.slot[rows, experts] >= 0
         if again.any():
-            self._offer(decision, slots[again])
-        rows, experts, slots = rows[~again], experts[~again], slots[~again]
+            old = self.slot[rows[again], experts[again]]
+            self.owner[old] = -1
+            self._offer(decision, old)
         keys = rows * self.group.num_experts + experts
         # NOTE: a slot holds at most one expert and an expert at most one slot (offered slots are free)
         self.owner[slots], self.slot[rows, experts] = keys, slots
@@ -352,16 +366,14 @@ class LruPolicy(CachePolicy):
         return held[np.argsort(self.last_used[held], kind="stable")]
 
     def _admit(self, decision: Decision, step: StepUse) -> None:
-        hits = self.slot[step.rows, step.experts] >= 0  # their last use is this step (`_update`)
-        # NOTE: room excludes this step's hits, so no expert used in the step is evicted.
-        room = max(self.group.num_slots - int(hits.sum()), 0)
-        missed = np.nonzero(~hits)[0]
-        missed = missed[np.argsort(-step.counts[missed], kind="stable")][:room]  # most used in the step first
-        free: list[int] = np.nonzero(self.owner < 0)[0].tolist()
-        victims = iter(self._victims(np.array([len(missed) - len(free)]), np.zeros(0, np.int64)).tolist()) \
-            if len(missed) > len(free) else iter(())
-        for i in missed.tolist():
-            slot = free.pop(0) if free else next(victims)
+        missed = np.nonzero(self.slot[step.rows, step.experts] < 0)[0]
+        missed = missed[np.argsort(-step.counts[missed], kind="stable")]  # most used in the step first
+        # NOTE: free slots that are not offered, then the least recent experts not used in the step
+        # (`_victims`): no expert used in the step is evicted, no offered slot is taken
+        free = np.nonzero((self.owner < 0) & ~self.is_offered)[0]
+        need = len(missed) - len(free)
+        victims = self._victims(np.array([need]), np.zeros(0, np.int64)) if need > 0 else free[:0]
+        for i, slot in zip(missed.tolist(), np.concatenate([free, victims]).tolist()):  # the first misses
             promotion = self._place(slot, (self.group.layers[step.rows[i]], int(step.experts[i])))
             if promotion.evicted is not None:
                 decision.evictions.append((promotion.evicted, slot))
@@ -438,6 +450,7 @@ class ScoredPolicy(CachePolicy):
         missed = missed[np.lexsort((missed, -scores[missed]))]
         ring = self.rings[int(self.ring_of_row[row])].slots
         slots = np.arange(ring.start, ring.stop)
+        slots = slots[~self.is_offered[slots]]  # NOTE: an offered slot is the device's to land in
         owners = self.owner[slots]
         resident_scores = np.where(owners >= 0, self.scores.flat[np.maximum(owners, 0)], 0.0)
         weakest = slots[np.lexsort((slots, resident_scores, owners >= 0))]

@@ -14,6 +14,8 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.expert_cache.plan import CachePlan
 from engine.expert_cache.policy import CachePolicy, Decision, Expert, PolicyConfig, make_policy
 from engine.expert_cache.profile import Profile
@@ -29,6 +31,7 @@ class DeviceModel:
         self.content: dict[int, Expert] = {slot: expert for expert, slot in self.published.items()}  # slot bytes
         self.rings: list[deque[int]] = [deque() for _ in policy.rings]
         self.pending: deque[Decision] = deque()
+        self.held: list[tuple[int, int]] = []  # offers waiting for an upload into their slot
         self.landings = self.uploads = 0
         self.apply(policy.start())
 
@@ -36,12 +39,18 @@ class DeviceModel:
         for expert, slot in decision.evictions:
             if self.published.get(expert) == slot:
                 del self.published[expert]
-        for ring, slot in decision.offers:
-            self.rings[ring].append(slot)
-        for p in decision.uploads:  # copies complete between steps
-            self.published[(p.layer, p.expert)] = p.slot
+        self.held += decision.offers
+        for p in decision.uploads:  # copies complete between steps; published unless the expert landed since
             self.content[p.slot] = (p.layer, p.expert)
+            if self.policy.slot_of(p.layer, p.expert) == p.slot:
+                self.published[(p.layer, p.expert)] = p.slot
         self.uploads += len(decision.uploads)
+        # NOTE: as the engine: a slot an upload not yet applied will write is offered once that upload is done
+        copying = {p.slot for d in self.pending for p in d.uploads}
+        for ring, slot in self.held:
+            if slot not in copying:
+                self.rings[ring].append(slot)
+        self.held = [(ring, slot) for ring, slot in self.held if slot in copying]
 
     def prepare(self, used: Mapping[int, Sequence[int]]) -> Decision:
         """As the engine before a step: a step of more tokens than the last gets offers for its misses at
@@ -51,21 +60,27 @@ class DeviceModel:
         self.apply(decision)
         return decision
 
-    def step(self, used: Mapping[int, Sequence[int]]) -> tuple[int, dict[Expert, int], Decision]:
-        """One step: (hits, landings, the policy's decision), the decision applied `lag` steps later."""
+    def step(self, used: Mapping[int, Sequence[int]],
+             on_cpu: frozenset[Expert] = frozenset()) -> tuple[int, dict[Expert, int], Decision]:
+        """One step: (hits, landings, the policy's decision), the decision applied `lag` steps later.
+        `on_cpu`: experts whose misses the CPU computes (hybrid): they do not land."""
         self.prepare(used)
-        hits, landed = 0, {}
+        hits, landed, computed = 0, {}, set()
         for layer, ids in used.items():
             for e in ids:
                 hits += (layer, e) in self.published
             ring = self.rings[self.policy.ring_of(layer)]
             for e in dict.fromkeys(ids):  # each missed expert once, in pair order
-                if (layer, e) not in self.published and (layer, e) not in landed and self.policy.landing and ring:
+                if (layer, e) in self.published or (layer, e) in landed:
+                    continue
+                if (layer, e) in on_cpu:
+                    computed.add((self.policy.row[layer], e))
+                elif self.policy.landing and ring:
                     landed[(layer, e)] = ring.popleft()
         self.published.update(landed)
         self.content.update({slot: expert for expert, slot in landed.items()})
         self.landings += len(landed)
-        decision = self.policy.observe(used, landed)
+        decision = self.policy.observe(used, landed, np.array(sorted(computed), dtype=np.int64).reshape(-1, 2))
         self.pending.append(decision)
         while len(self.pending) > self.lag:
             self.apply(self.pending.popleft())

@@ -25,6 +25,7 @@ class Case:
     steps: list[Step]
     landing: bool
     lag: int
+    on_cpu: list[frozenset[tuple[int, int]]]  # where misses land: those the CPU computes (hybrid)
 
 
 @st.composite
@@ -51,8 +52,12 @@ def cases(draw: st.DrawFn) -> Case:
     profile: Profile | None = Profile({layer: draw(counts) for layer in layers})
     if name != "static" and draw(st.booleans()):
         profile = None
+    landing = draw(st.booleans())
+    hybrid = landing and draw(st.booleans())
+    on_cpu = [frozenset((layer, e) for layer, ids in s.items() for e in ids if hybrid and draw(st.booleans()))
+              for s in steps]
     return Case(name, GroupPlan(0, layers, num_experts, top_k, 1, num_slots), config, profile, steps,
-                draw(st.booleans()), draw(st.integers(0, 2)))
+                landing, draw(st.integers(0, 2)), on_cpu)
 
 
 def check_state(policy: CachePolicy, device: DeviceModel) -> None:
@@ -74,14 +79,18 @@ def check_state(policy: CachePolicy, device: DeviceModel) -> None:
 
 
 def check_decision(policy: CachePolicy, case: Case, before: dict, decision: Decision, step: Step,
-                   landed: dict) -> None:
+                   landed: dict, on_cpu: frozenset[tuple[int, int]]) -> None:
     after = policy.residents()
     evicted = {expert for expert, _ in decision.evictions}
+    uploaded = {(p.layer, p.expert) for p in decision.uploads}
     assert all(expert in before or expert in landed for expert in evicted)
     assert not evicted & set(after)
     if case.landing:
-        assert decision.uploads == []
-        assert set(after) == (set(before) | set(landed)) - evicted
+        # NOTE: only the CPU's misses are uploaded (hybrid): a streamed miss lands or crosses no more
+        assert uploaded <= on_cpu - set(before) and not uploaded & set(landed)
+        assert set(after) == (set(before) | set(landed) | uploaded) - evicted
+        if isinstance(policy, ScoredPolicy):
+            assert len(decision.uploads) <= case.config.promote_per_step
     else:
         assert landed == {} and decision.offers == []
         for p in decision.uploads:
@@ -112,12 +121,12 @@ def test_policy_invariants(case: Case) -> None:
         assert set(policy.residents()) == set(case.profile.top(case.group.layers, case.group.num_slots))
     device = DeviceModel(policy, lag=case.lag, uploads=warm)
     check_state(policy, device)
-    for step in case.steps:
+    for step, on_cpu in zip(case.steps, case.on_cpu, strict=True):
         reserved = device.prepare(step)  # a larger step's offers: evictions of held experts, never uploads
         check_state(policy, device)
         assert not reserved.uploads and (case.landing or not reserved)
         assert {e for e, _ in reserved.evictions}.isdisjoint(policy.residents())
         before = policy.residents()
-        _, landed, decision = device.step(step)
+        _, landed, decision = device.step(step, on_cpu)
         check_state(policy, device)
-        check_decision(policy, case, before, decision, step, landed)
+        check_decision(policy, case, before, decision, step, landed, on_cpu)
