@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -44,6 +45,7 @@ class ExpertCache:
             placement, plan, cfg, stats, split, cpu
         self._pending: StepRecord | None = None
         self._split: tuple[float, float] | None = None  # a new hybrid (share, lead) for the next step
+        self._last_decode: float | None = None  # when the last decode step's record was processed
 
     # -- around each step ---------------------------------------------------------------------------------
     def prepare_step(self, num_tokens: int = 1) -> None:
@@ -63,9 +65,13 @@ class ExpertCache:
         record, self._pending = self._pending, None
         if record is None:
             return
-        self.observers.observe(record)
+        streamed = self.observers.observe(record)
         if not record.is_prefill:  # NOTE: prefill never changes the cache
-            self.manager.observe(record)
+            now = time.monotonic()
+            if self._last_decode is not None:
+                self.split.link.add(streamed, now - self._last_decode)
+            self._last_decode = now
+            self.manager.observe(record, upload_cpu_misses=self.split.uploads_cpu_misses)
             if self.cpu is not None:
                 self._split = self.split.update(self.cpu.work()) or self._split
 

@@ -102,8 +102,9 @@ class CacheManager:
             lead=on(torch.full((num_rows,), split[1], dtype=torch.float32)))
 
     # -- steps ------------------------------------------------------------------------------------------------
-    def observe(self, record: StepRecord) -> None:
-        """A decode step's uses and landings -> the policies -> changes for the next step (off the critical path)."""
+    def observe(self, record: StepRecord, upload_cpu_misses: bool = False) -> None:
+        """A decode step's uses and landings -> the policies -> changes for the next step (off the critical path).
+        `upload_cpu_misses` (hybrid): the experts the CPU computed are promoted by uploads."""
         for gid, policy in self.policies.items():
             rows = self._group_rows[gid]
             ids = record.ids[rows]  # [group layers, pairs], -1 for none
@@ -115,7 +116,7 @@ class CacheManager:
             if len(landed):
                 self.stats.record_copies(len(landed), 0, 0)
             on_cpu = None
-            if self.cfg.mode.streams and self.cfg.mode.uses_cpu:  # hybrid: the CPU's misses are uploaded
+            if upload_cpu_misses:
                 at, pair = np.nonzero(record.outcome[rows] == ON_CPU)
                 on_cpu = np.unique(np.stack([at, ids[at, pair]], axis=1), axis=0).astype(np.int64)
             self._apply(gid, policy.observe(ids, landed, on_cpu))

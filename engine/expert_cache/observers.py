@@ -27,14 +27,14 @@ class CacheObservers:
         self.usage = np.zeros((num_layers, num_experts), dtype=np.float32)  # recent picks, decayed per step
         self.profile = Profile() if profile else None
 
-    def observe(self, record: StepRecord) -> None:
+    def observe(self, record: StepRecord) -> int:
+        """Counts the step; returns the bytes its misses streamed over the host link."""
         self._count_usage(record)
         if self.profile is not None:
             for row, layer in enumerate(self.moe_layers):
                 ids = record.ids[row]
                 self.profile.add(layer, ids[ids >= 0].tolist())
-        if len(self.host_rows):
-            self._count_cache(record)
+        return self._count_cache(record) if len(self.host_rows) else 0
 
     def _count_usage(self, record: StepRecord) -> None:
         self.usage *= USAGE_DECAY
@@ -43,7 +43,7 @@ class CacheObservers:
         cells = np.bincount(layers * self.usage.shape[1] + record.ids[valid], minlength=self.usage.size)
         self.usage += cells.reshape(self.usage.shape).astype(np.float32)
 
-    def _count_cache(self, record: StepRecord) -> None:
+    def _count_cache(self, record: StepRecord) -> int:
         hits, misses = {}, {}
         for gid, rows in self.group_rows.items():
             counts = np.bincount(record.outcome[rows].ravel() + 1, minlength=ON_CPU + 2)  # PAD .. ON_CPU
@@ -56,3 +56,4 @@ class CacheObservers:
         on_cpu = np.unique(keys[outcome == ON_CPU])
         streamed_bytes = int(self.row_bytes[streamed // self.usage.shape[1]].sum())
         self.stats.record_step(record.num_tokens, hits, misses, streamed_bytes, len(on_cpu))
+        return streamed_bytes

@@ -87,11 +87,33 @@ def cpu_task_costs(tasks: CpuTasks, layer: int, top_k: int) -> tuple[float, floa
     return max(one - per, 0.0), per
 
 
+UPLOAD_LINK_BUSY = 0.25  # hybrid uploads the CPU's misses while streamed misses keep the link busier than this
+
+
+class LinkLoad:
+    """The share of the time the host link spends on streamed misses: their bytes over the link's measured rate,
+    per second of decode steps (averages over the last ~`steps` steps)."""
+
+    def __init__(self, link_gbps: float, steps: int = 16) -> None:
+        self.link_gbps, self.decay = link_gbps, 1.0 - 1.0 / steps
+        self._bytes = self._seconds = 0.0
+
+    def add(self, streamed_bytes: int, seconds: float) -> None:
+        self._bytes = self._bytes * self.decay + streamed_bytes
+        self._seconds = self._seconds * self.decay + seconds
+
+    @property
+    def busy(self) -> float:
+        if self._seconds <= 0 or self.link_gbps <= 0:
+            return 0.0
+        return self._bytes / (self.link_gbps * 1e9) / self._seconds
+
+
 class Split:
     """The split of hybrid mode (module doc): `share` and `lead`, from the link and the CPU measured at start
-    (the CPU task's fixed cost on CUDA with native tasks, else none); the CPU's rate then re-measured from
+    (the CPU task's fixed cost on CUDA with a ringing device, else none); the CPU's rate then re-measured from
     the tasks' own counters every `every` decode steps. Stream mode streams every miss (share 1), cpu mode
-    none (share 0)."""
+    none (share 0). `link`: how busy streamed misses keep the link, for `uploads_cpu_misses`."""
 
     def __init__(self, mode: MissMode, device: torch.device, bank: ExpertWeights | None, on_device: bool,
                  every: int = 64, link_cap_gbps: float | None = None, cpu: CpuTasks | None = None) -> None:
@@ -114,6 +136,15 @@ class Split:
             else:
                 self.cpu_gbps = measure_cpu_gbps(bank)
             self.share, self.lead = self._split()
+        self.link = LinkLoad(self.link_gbps)
+
+    @property
+    def uploads_cpu_misses(self) -> bool:
+        """Hybrid: promote the experts the CPU computed by uploads (they never crossed the link), while the
+        streamed misses leave the link mostly idle. A CPU-computed expert does not land, so the next use misses
+        again: at a 50% budget each costs 1.2 later misses, at 25% 0.2 (replaying bench's requests), but there
+        the uploads would share a link the step waits on (docs/benchmarks.md)."""
+        return self.is_hybrid and self.link.busy < UPLOAD_LINK_BUSY
 
     def _split(self) -> tuple[float, float]:
         share = self.link_gbps / (self.link_gbps + self.cpu_gbps)

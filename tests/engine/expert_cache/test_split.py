@@ -1,5 +1,5 @@
 """The hybrid split: link / (link + CPU) and the lead of the CPU task's fixed cost, the CPU's rate re-measured
-from its tasks' counters."""
+from its tasks' counters, and when hybrid uploads what the CPU computed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from engine.config import MissMode
 from engine.expert_cache.cpu_tasks import CpuWork
-from engine.expert_cache.split import Split
+from engine.expert_cache.split import LinkLoad, Split
 from ops.bank import random_expert_weights
 from ops.quants import QType
 
@@ -44,3 +44,17 @@ def test_the_lead_is_the_fixed_cost_in_experts_of_both_paths(bank) -> None:  # n
     assert (share, lead) == (pytest.approx(0.4), pytest.approx(0.3))
     # 2 misses: 0.8 + 0.3 -> 1 streamed (60 us) and 1 on the CPU (30 + 40 us): the times the split equalizes
     assert int(share * 2 + lead + 0.5) == 1
+
+
+def test_hybrid_uploads_the_cpus_misses_only_while_the_link_is_mostly_idle(bank) -> None:  # noqa: ANN001
+    split = Split(MissMode("hybrid"), torch.device("cpu"), bank, False)
+    split.link = LinkLoad(50.0, steps=4)
+    assert split.uploads_cpu_misses  # nothing streamed yet
+    for _ in range(20):  # 42 MB a 5 ms step at 50 GB/s: the link busy 17% of the time
+        split.link.add(42_000_000, 0.005)
+    assert split.link.busy == pytest.approx(0.168) and split.uploads_cpu_misses
+    for _ in range(20):  # 140 MB a 8 ms step: 35%
+        split.link.add(140_000_000, 0.008)
+    assert split.link.busy == pytest.approx(0.35, abs=0.01) and not split.uploads_cpu_misses
+    stream = Split(MissMode("stream"), torch.device("cpu"), bank, False)
+    assert not stream.uploads_cpu_misses  # a streamed miss lands: nothing the CPU computed to upload
