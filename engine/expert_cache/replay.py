@@ -60,10 +60,11 @@ class DeviceModel:
         self.apply(decision)
         return decision
 
-    def step(self, used: Mapping[int, Sequence[int]],
-             on_cpu: frozenset[Expert] = frozenset()) -> tuple[int, dict[Expert, int], Decision]:
+    def step(self, used: Mapping[int, Sequence[int]], on_cpu: frozenset[Expert] = frozenset(),
+             upload_cpu: bool = True) -> tuple[int, dict[Expert, int], Decision]:
         """One step: (hits, landings, the policy's decision), the decision applied `lag` steps later.
-        `on_cpu`: experts whose misses the CPU computes (hybrid): they do not land."""
+        `on_cpu`: experts whose misses the CPU computes (hybrid): they do not land; with `upload_cpu` the
+        policy promotes them by uploads (`Split.uploads_cpu_misses`)."""
         self.prepare(used)
         hits, landed, computed = 0, {}, set()
         for layer, ids in used.items():
@@ -80,7 +81,8 @@ class DeviceModel:
         self.published.update(landed)
         self.content.update({slot: expert for expert, slot in landed.items()})
         self.landings += len(landed)
-        decision = self.policy.observe(used, landed, np.array(sorted(computed), dtype=np.int64).reshape(-1, 2))
+        computed_rows = np.array(sorted(computed) if upload_cpu else [], dtype=np.int64).reshape(-1, 2)
+        decision = self.policy.observe(used, landed, computed_rows)
         self.pending.append(decision)
         while len(self.pending) > self.lag:
             self.apply(self.pending.popleft())

@@ -141,9 +141,10 @@ class Split:
     @property
     def uploads_cpu_misses(self) -> bool:
         """Hybrid: promote the experts the CPU computed by uploads (they never crossed the link), while the
-        streamed misses leave the link mostly idle. A CPU-computed expert does not land, so the next use misses
-        again: at a 50% budget each costs 1.2 later misses, at 25% 0.2 (replaying bench's requests), but there
-        the uploads would share a link the step waits on (docs/benchmarks.md)."""
+        streamed misses leave the link mostly idle. A CPU-computed expert does not land, so its next use misses
+        again: at a 50% budget each costs about one later miss, at 25% 0.2 (replaying bench's requests:
+        tests/engine/expert_cache/test_cache_replay.py), where the uploads would share a link the step waits on
+        (docs/benchmarks.md)."""
         return self.is_hybrid and self.link.busy < UPLOAD_LINK_BUSY
 
     def _split(self) -> tuple[float, float]:

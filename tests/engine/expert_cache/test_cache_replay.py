@@ -121,3 +121,46 @@ def test_policies_reach_their_steady_state_within_64_tokens_and_a_profile_never_
     # a profile of other requests starts closer to the steady state and is not in the way afterwards
     assert warm[:16].mean() >= cold[:16].mean() - 0.02
     assert warm[16:64].mean() >= cold[16:64].mean() - 0.02, f"{warm[16:64].mean():.3f} < {cold[16:64].mean():.3f}"
+
+
+def hybrid_hits(share: float, cpu_share: float, upload_cpu: bool, tokens: int = 64) -> tuple[float, float]:
+    """(hit ratio, CPU-computed experts a token) of a new request's `tokens` decode steps after its 16-token
+    prompt (a cached step, as bench's) and an earlier request, through lru; each layer's misses past the first
+    `(1 - cpu_share) x misses + 0.1` (pair order, as `ops.cache_step`) go to the CPU and do not land;
+    `upload_cpu`: the policy promotes them by uploads."""
+    group = GroupPlan(0, tuple(range(WARM_LAYERS)), WARM_EXPERTS, WARM_K, 1, int(share * WARM_LAYERS * WARM_EXPERTS))
+    device = DeviceModel(make_policy("lru", group, PolicyConfig(), None))
+    source = SyntheticSource(LOCALITY_MODELS["qwen3"], WARM_LAYERS, WARM_EXPERTS, WARM_K, seed=7)
+
+    def step(ids: np.ndarray) -> tuple[int, int]:  # ids [layers, tokens, top_k] -> (hits, CPU experts)
+        used = {layer: ids[layer].reshape(-1).tolist() for layer in range(WARM_LAYERS)}
+        device.prepare(used)  # the tables the step's kernels see
+        on_cpu = set()
+        for layer, layer_ids in used.items():
+            missed = [e for e in dict.fromkeys(layer_ids) if (layer, e) not in device.published]
+            streamed = min(int((1 - cpu_share) * len(missed) + 0.1 + 0.5), len(missed))
+            on_cpu |= {(layer, e) for e in missed[streamed:]}
+        return device.step(used, frozenset(on_cpu), upload_cpu)[0], len(on_cpu)
+
+    for _ in range(200):
+        step(source.route(["earlier"]))
+    source.release("earlier")
+    step(source.route(["new"] * 16))
+    hits, computed = np.sum([step(source.route(["new"])) for _ in range(tokens)], axis=0)
+    return hits / (tokens * WARM_LAYERS * WARM_K), computed / tokens
+
+
+def test_hybrid_cpu_misses_cost_hits_where_the_working_set_fits_and_uploads_win_them_back() -> None:
+    """Why hybrid uploads what the CPU computed only at large budgets (`Split.uploads_cpu_misses`): a CPU-computed
+    expert does not land, so its next use misses again. Where the cache holds the request's working set (50%)
+    each costs about one later miss; where the cache churns anyway (25%) a fraction of one. Uploading them wins
+    the hits back."""
+    cost = {}
+    for share in (0.5, 0.25):
+        stream, _ = hybrid_hits(share, 0.0, False)
+        hybrid, cpu_experts = hybrid_hits(share, 0.58, False)
+        cost[share] = (stream - hybrid) * WARM_LAYERS * WARM_K / cpu_experts  # later misses per CPU expert
+        if share == 0.5:
+            uploaded, _ = hybrid_hits(share, 0.58, True)
+            assert uploaded >= stream - 0.005 > hybrid, (uploaded, stream, hybrid)
+    assert cost[0.5] > 0.7 and cost[0.25] < 0.4 and cost[0.5] > 2 * cost[0.25], cost
