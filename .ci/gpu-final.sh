@@ -2,7 +2,7 @@
 # The H200 lease of docs/benchmarks.md ("The cached decode step and CPU-computed misses"), device calls back
 # to back on one machine (the machine goes back 30 s after a call returns):
 #   1: llama.cpp's CUDA build started in the background; the attention, cache-step and doorbell kernel tests (the
-#      lease stops if they fail); then every gpu test of tests/ops and tests/engine (four pytest workers);
+#      lease stops if they fail); then every gpu test of tests/ops and tests/engine (six pytest workers);
 #   2: the step profile of the cached batch-1 step (resident, 25/50/100%); resident and cached (stream) at
 #      batch 1 after a 400-token warm-up; llama.cpp's rows on the same file;
 #   3: every core free: the doorbell's round trip (.ci/gpu-bell-probe.py); the three miss modes with no cache,
@@ -31,8 +31,9 @@ case "$1" in
   pytest_gpu kernels 120 -x tests/ops/test_triton_attention.py tests/ops/test_cache_step.py tests/ops/test_bell.py \
     -k "(test_matches_reference and bf16) or graph_replay or test_write_kv_matches or test_kernels_equal or answer" \
     || { echo "kernel tests failed: stopping"; exit 1; }
-  # NOTE: four pytest workers (pytest-xdist, carried as a wheel): the suite is mostly Triton compiles on the CPU
-  pytest_gpu suite 415 -n 4 --dist loadfile tests/ops tests/engine
+  # NOTE: six pytest workers (pytest-xdist, carried as a wheel), tests spread one by one: the suite is mostly
+  # Triton compiles on the CPU (one process ran a fifth of tests/ops in 270 s), llama.cpp builds on 10 cores
+  pytest_gpu suite 540 -n 6 tests/ops tests/engine
   ;;
 2)
   BUDGET_S=130 PROFILE_S=125 PROFILE_LINES=120 bash .ci/gpu-check profile
