@@ -164,10 +164,10 @@ class CachePolicy(ABC):
                 on_cpu: np.ndarray | None = None) -> Decision:
         """One step: the ids each layer's tokens selected (layer -> ids, one per (token, k); or an array
         `[layers of the group, pairs]`, -1 for none), the experts the device landed in offered slots
-        (expert -> slot; or an array `[n, 3]` of (layer position in the group, expert, slot)), and where
+        (expert -> slot; or an array `[n, 3]` of (layer position in the group, expert, slot)), and, where
         misses land, those the CPU computed instead (hybrid: `[n, 2]` of (layer position, expert)), which
-        are uploaded as where no miss lands: they never crossed the link. Returns what to apply before the
-        next step."""
+        are admitted by uploads as in a mode where nothing lands (they never crossed the link). Returns what
+        to apply before the next step."""
         step = self._step_use(used)
         decision = Decision()
         landed_keys = self._take_landings({} if landed is None else landed, decision)

@@ -25,13 +25,10 @@ def _combine_kernel(y, y_stride, token_ids, num_pairs, out, out_stride, hidden, 
         rows = y + pairs.to(tl.int64)[:, None] * y_stride + cols[None, :]
         acc += tl.sum(tl.load(rows, mask=is_mine[:, None] & cmask[None, :], other=0.0), axis=0)
     if HAS_EXTRA:  # a partial sum computed elsewhere (the CPU's share of the pairs), added last
+        mask = cmask
         if BELL:  # once the CPU answered; nothing when the layer did not ring (the rows are an older layer's)
-            if wait_bell(bell_words, bell_state) != 0:
-                acc += tl.load(extra + token.to(tl.int64) * extra_stride + cols, mask=cmask, other=0.0,
-                               cache_modifier=".cv")
-        else:
-            acc += tl.load(extra + token.to(tl.int64) * extra_stride + cols, mask=cmask, other=0.0,
-                           cache_modifier=".cv")
+            mask = cmask & (wait_bell(bell_words, bell_state) != 0)
+        acc += tl.load(extra + token.to(tl.int64) * extra_stride + cols, mask=mask, other=0.0, cache_modifier=".cv")
     tl.store(out + token.to(tl.int64) * out_stride + cols, acc.to(out.dtype.element_ty), mask=cmask)
 
 
