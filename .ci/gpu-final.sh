@@ -3,11 +3,11 @@
 # to back on one machine (the machine goes back 30 s after a call returns):
 #   1: llama.cpp's CUDA build started in the background; the attention, cache-step and doorbell kernel tests (the
 #      lease stops if they fail); then every gpu test of tests/ops and tests/engine (six pytest workers);
-#   2: the step profile of the cached batch-1 step (resident, 25/50/100%); resident and cached (stream) at
-#      batch 1 after a 400-token warm-up; llama.cpp's rows on the same file;
-#   3: every core free: the doorbell's round trip (.ci/gpu-bell-probe.py); the three miss modes with no cache,
-#      stream and hybrid at 25% (lru, decay) and 50%,
-#      8 sequences at 50%, small budgets against no cache (every policy), the miss modes on a 16 GB/s link.
+#   2: the step profile of the cached batch-1 step (resident, stream at 25/50/100%, hybrid at 25/50%); resident
+#      and cached (stream) at batch 1 after a 400-token warm-up; llama.cpp's rows on the same file;
+#   3: every core free: the doorbell's round trip (.ci/gpu-bell-probe.py); host memory shared by the link and the
+#      CPU (.ci/gpu-host-share.py); stream and hybrid at 25% (lru, decay) and 50%; the three miss modes with no
+#      cache; 8 sequences at 50%, small budgets against no cache (every policy), the miss modes on a 16 GB/s link.
 # Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | 3
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,27 +36,28 @@ case "$1" in
   pytest_gpu suite 540 -n 6 tests/ops tests/engine
   ;;
 2)
-  BUDGET_S=130 PROFILE_S=125 PROFILE_LINES=120 bash .ci/gpu-check profile
-  BUDGET_S=150 HEADLINE_S=145 HEADLINE_FRACS=0.25,0.5,1 HEADLINE_BATCHES=1 \
+  BUDGET_S=165 PROFILE_S=160 PROFILE_LINES=160 bash .ci/gpu-check profile
+  BUDGET_S=145 HEADLINE_S=140 HEADLINE_FRACS=0.25,0.5,1 HEADLINE_BATCHES=1 \
     HEADLINE_EXTRA="--cache-profile $PROFILE --warmup-gen-len 400" bash .ci/gpu-check headline
   grep -q "BUILD_DONE" /tmp/llamacpp/build.log 2>/dev/null || echo "llama.cpp still building"
-  BUDGET_S=150 LLAMA_S=145 LLAMA_ROWS="resident cpu half" bash .ci/gpu-check llamabench
+  BUDGET_S=140 LLAMA_S=135 LLAMA_ROWS="resident cpu half" bash .ci/gpu-check llamabench
   echo "== llama-batched-bench -npl 8 -ngl 99 -ncmoe 24" | tee -a "$LOGS/llamacpp.log"
   timeout 60 /tmp/llamacpp/llama.cpp/build/bin/llama-batched-bench -m /tmp/qwen3moe-30b-a3b.gguf -fa on \
     -t "$(nproc)" -c 8192 -b 2048 -ub 512 -npp 128 -ntg 64 -npl 8 -ngl 99 -ncmoe 24 2>&1 | grep -E "^\||error" \
     | tee -a "$LOGS/llamacpp.log"
   ;;
 3)
-  timeout 60 python3 .ci/gpu-bell-probe.py 14 2>&1 | tee "$LOGS/bell-probe.log" | tail -8
-  BUDGET_S=60 CACHED_S=55 CACHED_NAME=modes0 CACHED_FRACS=0 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
-    CACHED_EXTRA="--warmup-gen-len 64 --gen-len 32 --repeats 1" bash .ci/gpu-check cached
+  timeout 40 python3 .ci/gpu-bell-probe.py 14 2>&1 | tee "$LOGS/bell-probe.log" | tail -8
+  PYTHONPATH=/tmp/site:$PWD timeout 60 python3 .ci/gpu-host-share.py 14 2 2>&1 | tee "$LOGS/host-share.log" | tail -3
   BUDGET_S=100 CACHED_S=95 CACHED_NAME=modes25 CACHED_FRACS=0.25 CACHED_POLICIES=lru,decay CACHED_MODES=stream,hybrid \
     CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   BUDGET_S=60 CACHED_S=55 CACHED_NAME=hybrid50 CACHED_FRACS=0.5 CACHED_POLICIES=lru CACHED_MODES=hybrid \
     CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
+  BUDGET_S=60 CACHED_S=55 CACHED_NAME=modes0 CACHED_FRACS=0 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
+    CACHED_EXTRA="--warmup-gen-len 64 --gen-len 32 --repeats 1" bash .ci/gpu-check cached
   BUDGET_S=60 BATCH8_S=55 bash .ci/gpu-check batch8
-  BUDGET_S=160 SMALL_S=155 bash .ci/gpu-check small
-  BUDGET_S=80 CACHED_S=75 CACHED_NAME=link16 CACHED_FRACS=0,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
+  BUDGET_S=150 SMALL_S=145 bash .ci/gpu-check small
+  BUDGET_S=70 CACHED_S=65 CACHED_NAME=link16 CACHED_FRACS=0,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 100 --gen-len 24 --repeats 1 --link-gbps 16" bash .ci/gpu-check cached
   ;;
 esac

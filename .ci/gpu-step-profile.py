@@ -6,7 +6,8 @@ Usage: python3 .ci/gpu-step-profile.py MODEL.gguf [--steps 16] [--warmup 400] [-
            [--config NAME=SPEC]...
 A SPEC is comma-separated `key=value` of: budget (a share of the host experts' bytes, 0..1), policy,
 miss (cpu|stream|hybrid), ncmoe (--n-cpu-moe), and the flag `cpumoe`; `resident` alone means every
-expert on the device. Default configs: resident, and --cpu-moe at 25%, 50% and 100% budget (lru, stream).
+expert on the device. Default configs: resident; --cpu-moe at 25%, 50% and 100% budget (lru, stream); hybrid at
+25% (decay) and 50% (lru), where the combine kernels' time is the device waiting for the CPU's answers.
 Routing: ROUTING (default synthetic:qwen3). Runs on the CPU too (no device timeline there).
 """
 
@@ -32,6 +33,8 @@ DEFAULT_CONFIGS = {
     "cpu-moe 25% lru stream": "cpumoe,budget=0.25,policy=lru,miss=stream",
     "cpu-moe 50% lru stream": "cpumoe,budget=0.5,policy=lru,miss=stream",
     "cpu-moe 100% lru stream": "cpumoe,budget=1,policy=lru,miss=stream",
+    "cpu-moe 25% decay hybrid": "cpumoe,budget=0.25,policy=decay,miss=hybrid",
+    "cpu-moe 50% lru hybrid": "cpumoe,budget=0.5,policy=lru,miss=hybrid",
 }
 
 

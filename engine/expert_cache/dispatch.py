@@ -59,6 +59,7 @@ class ExpertDispatcher:
 
     def _device_tables(self) -> None:
         from ops.triton import ExpertTables, Fill, tables_from_bank  # Triton: CUDA only
+        from ops.triton.experts import gate_format
 
         t = self.manager.tables
         self.resident_tables = {layer: tables_from_bank(bank, self.device) for layer, bank in self.resident.items()}
@@ -69,6 +70,7 @@ class ExpertDispatcher:
                                 bank.hidden, bank.ff, bank.math.to(self.device))
 
         self.cur = {layer: view(t.cur[self.rows[layer]], bank) for layer, bank in self.host.items()}
+        self.gate_format = {layer: gate_format(tables) for layer, tables in self.cur.items()}
         self.fill = {layer: Fill(t.fill[self.rows[layer]], view(t.host[self.rows[layer]], bank))
                      for layer, bank in self.host.items()} if self.mode.streams else {}
 
@@ -138,11 +140,13 @@ class ExpertDispatcher:
         row = self.rows[layer]
         job = self.cpu.job if self.cpu is not None else None
         # NOTE: exactly once: each pair is a hit, streamed (filled, maybe landing) or the CPU's, never two
-        assign_experts(row, expert_ids, weights, x, self.manager.tables, self.record.layer(row),
-                       landing=self.mode.streams, job=job)
+        args = (row, expert_ids, weights, x, self.manager.tables, self.record.layer(row), self.mode.streams, job)
         if not self.on_device:
+            assign_experts(*args)
             return self._decode_in_place(layer, x, expert_ids, weights)
         from ops.triton import grouped_expert_ffn, hold_fills
+        from ops.triton.cache_step import assign_experts as assign_on_device
+        prepared = assign_on_device(*args, prepare=self.gate_format[layer])  # x for the expert kernels too
         if self.cap is not None and layer in self.fill:
             hold_fills(expert_ids.reshape(-1), self.fill[layer].flags,
                        self.cap.extra_ns(self.host[layer].expert_bytes))
@@ -151,7 +155,7 @@ class ExpertDispatcher:
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
         return grouped_expert_ffn(x, tokens, experts, pair_weights, self.cur[layer], torch.empty_like(x),
                                   fill=self.fill.get(layer), extra=job.out if job is not None else None,
-                                  extra_bell=job.bell if job is not None else None)
+                                  extra_bell=job.bell if job is not None else None, prepared=prepared)
 
     def _decode_in_place(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                          weights: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,9 @@
 one program holds in registers. With several tokens, expert ids are deduplicated through the layer's
 scratch row (the first pair of each expert decides for it, found with an atomic min), so the result
 does not depend on the order threads run in; one token's experts are distinct, which saves the two
-round trips through memory on the batch-1 step. `begin_step` is one program per layer (publish the previous step's
-landings) plus programs over the host's changes, which touch disjoint entries.
+round trips through memory on the batch-1 step. The same launch may prepare x for the expert kernels in its
+other programs (`prepare=`), which saves the layer a launch of its own. `begin_step` is one program per layer
+(publish the previous step's landings) plus programs over the host's changes, which touch disjoint entries.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from ops import cache_step as codes
 from ops.cache_step import Bell, CpuJob, SlotTables
 from ops.triton.bell import ring_bell
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows
+from ops.triton.prepare import Prepared, prepare_block
+from ops.triton.qdot import GROUP
+from ops.triton.tables import QType
 
 # the outcome and change codes, as the kernels see them
 PAD, HIT, STAGED, LANDED, ON_CPU = (tl.constexpr(c) for c in (codes.PAD, codes.HIT, codes.STAGED, codes.LANDED,
@@ -28,8 +32,8 @@ MAX_PAIRS = 1024  # a decode step's pairs, in one program
 CHANGES_BLOCK = 256
 
 
-@triton.jit(do_not_specialize=["x_stride", "num_pairs", "top_k", "hidden", "row", "pair_stride", "field_stride"])
-def _assign_kernel(
+@triton.jit
+def _assign(
     ids_ptr, weights_ptr, x_ptr, x_stride, num_pairs, top_k, hidden, row,
     state, cur, host, staging, fill, scratch, pool_base, pool_stride, region_of, ring, head_of, tail_of, share_of,
     lead_of,
@@ -110,8 +114,38 @@ def _assign_kernel(
             ring_bell(bell_words, bell_state, row, has_cpu_pairs)
 
 
+@triton.jit(do_not_specialize=["x_stride", "num_pairs", "top_k", "hidden", "row", "pair_stride", "field_stride",
+                            "prep_stride", "prep_sums_stride", "prep_blocks"])
+def _assign_kernel(
+    ids_ptr, weights_ptr, x_ptr, x_stride, num_pairs, top_k, hidden, row,
+    state, cur, host, staging, fill, scratch, pool_base, pool_stride, region_of, ring, head_of, tail_of, share_of,
+    lead_of,
+    num_experts, ring_capacity, record, pair_stride, field_stride,
+    job_x, job_ids, job_weights, job_on_cpu, job_tokens, bell_words, bell_state,
+    prep_x, prep_stride, prep_sums, prep_sums_stride, prep_blocks,
+    LANDING: tl.constexpr, JOB: tl.constexpr, BELL: tl.constexpr, DEDUP: tl.constexpr, W: tl.constexpr,
+    BLOCK_H: tl.constexpr, PREPARE: tl.constexpr, PREP_FMT: tl.constexpr, PREP_BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    # program 0 assigns; with PREPARE, programs 1.. prepare x for the expert kernels (one launch fewer a layer)
+    pid = tl.program_id(0)
+    if pid == 0:
+        _assign(ids_ptr, weights_ptr, x_ptr, x_stride, num_pairs, top_k, hidden, row,
+                state, cur, host, staging, fill, scratch, pool_base, pool_stride, region_of, ring, head_of, tail_of,
+                share_of, lead_of, num_experts, ring_capacity, record, pair_stride, field_stride,
+                job_x, job_ids, job_weights, job_on_cpu, job_tokens, bell_words, bell_state,
+                LANDING, JOB, BELL, DEDUP, W, BLOCK_H)
+    elif PREPARE:
+        block = pid - 1
+        prepare_block(x_ptr, x_stride, prep_x, prep_stride, prep_sums, prep_sums_stride, hidden,
+                      block // prep_blocks, block % prep_blocks, PREP_FMT, PREP_BLOCK, GROUP)
+
+
 def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, tables: SlotTables,
-                   record: torch.Tensor, landing: bool, job: CpuJob | None = None) -> None:
+                   record: torch.Tensor, landing: bool, job: CpuJob | None = None,
+                   prepare: QType | None = None) -> Prepared | None:
+    """`ops.cache_step.assign_experts`; with `prepare`, the same launch also prepares x for the expert kernels of
+    that format (`ops.triton.prepare`) and returns it."""
     device = tables.state.device
     tokens, top_k = expert_ids.shape
     num_pairs = tokens * top_k
@@ -129,15 +163,20 @@ def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x:
         raise ValueError(f"job of {job.expert_ids.shape[0]} pairs x {job.x.shape[1]} for {num_pairs} x {x.shape[1]}")
     j = job if job is not None else CpuJob(*(record,) * 6)  # unused pointers when there is no job
     bell = j.bell if j.bell is not None else Bell(record, record)
-    _assign_kernel[(1,)](
+    prep = Prepared.empty(x, prepare) if prepare is not None else None
+    p = prep or Prepared(record, record, None, -1, 16)  # unused when nothing is prepared
+    _assign_kernel[(1 + (tokens * p.blocks if prep is not None else 0),)](
         expert_ids, weights, x, x.stride(0), num_pairs, top_k, x.shape[1], row,
         tables.state, tables.cur, tables.host, tables.staging, tables.fill, tables.scratch, tables.pool_base,
         tables.pool_stride, tables.region, tables.ring, tables.head, tables.tail, tables.share,
         tables.lead, tables.num_experts, tables.ring.shape[1], record, record.stride(0), record.stride(1),
         j.x, j.expert_ids, j.weights, j.on_cpu, j.num_tokens, bell.words, bell.state,
+        p.x, p.x.stride(0), p.sums, p.sums.stride(0), p.blocks,
         LANDING=bool(landing), JOB=job is not None, BELL=j.bell is not None, DEDUP=tokens > 1,
-        W=triton.next_power_of_2(num_pairs), BLOCK_H=1024, num_warps=4,
+        W=triton.next_power_of_2(num_pairs), BLOCK_H=1024, PREPARE=prep is not None, PREP_FMT=p.fmt,
+        PREP_BLOCK=p.block, GROUP=GROUP, num_warps=4,
     )
+    return prep
 
 
 @triton.jit(do_not_specialize=["num_layers", "pair_stride", "field_stride"])

@@ -22,10 +22,10 @@ from ops.triton.combine import launch_combine
 from ops.triton.down import launch_down
 from ops.triton.fallback import down_fallback, gate_up_fallback
 from ops.triton.gate_up import default_block_tokens, launch_gate_up
-from ops.triton.prepare import launch_prepare
+from ops.triton.prepare import Prepared, launch_prepare
 from ops.triton.qdot import GROUP, has_kernel
 from ops.triton.stage import Fill, fill_experts
-from ops.triton.tables import ExpertTables
+from ops.triton.tables import ExpertTables, QType
 
 _TABLE_CACHE_SIZE = 256
 _table_cache: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
@@ -47,14 +47,16 @@ DEFAULT_CONFIG = LaunchConfig()
 def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                        tables: ExpertTables, out: torch.Tensor | None = None,
                        config: LaunchConfig = DEFAULT_CONFIG, fill: Fill | None = None,
-                       extra: torch.Tensor | None = None, extra_bell: Bell | None = None) -> torch.Tensor:
+                       extra: torch.Tensor | None = None, extra_bell: Bell | None = None,
+                       prepared: Prepared | None = None) -> torch.Tensor:
     """x `[tokens, hidden]` (bf16/fp16/fp32); token_ids, expert_ids (int32/int64), weights `[pairs]`
     -> float32 `[tokens, hidden]`, or written into `out` if given (float32 or 16-bit). Pairs with expert
     id -1 (or out of range, or a pointer <= 0) are skipped. Q4_K, Q5_K, Q6_K and Q8_0 run dedicated
     kernels; other formats a gather + dequantize path. `fill`: experts first copied from host memory to
     the tables' addresses (inside the kernels that read them); `extra`: float32 `[tokens, hidden]` added (the
-    CPU's share of the pairs), with `extra_bell` once the CPU answered (`ops.triton.bell`). The tables' math
-    other than plain (biases, another activation) runs the gather path."""
+    CPU's share of the pairs), with `extra_bell` once the CPU answered (`ops.triton.bell`). `prepared`: x already
+    prepared for the gate format (`gate_format`, e.g. by `ops.triton.cache_step.assign_experts`), read instead of a
+    launch of its own. The tables' math other than plain (biases, another activation) runs the gather path."""
     num_pairs, num_tokens, device = expert_ids.shape[0], x.shape[0], tables.device
     check_rows("x", x, (num_tokens, tables.hidden), FLOAT_DTYPES, device)
     check_vector("token_ids", token_ids, num_pairs, INDEX_DTYPES, device)
@@ -72,7 +74,7 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
         fill_experts(expert_ids, tables, fill)
         fill = None
     if is_plain:
-        y = _plain_ffn(x, token_ids, expert_ids, weights, tables, config, block_tokens, fill)
+        y = _plain_ffn(x, token_ids, expert_ids, weights, tables, config, block_tokens, fill, prepared)
     else:
         h = torch.empty((num_pairs, tables.ff), dtype=torch.float32, device=device)
         y = torch.empty((num_pairs, tables.hidden), dtype=torch.float32, device=device)
@@ -83,9 +85,10 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
 
 
 def _plain_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-               tables: ExpertTables, config: LaunchConfig, block_tokens: int, fill: Fill | None) -> torch.Tensor:
+               tables: ExpertTables, config: LaunchConfig, block_tokens: int, fill: Fill | None,
+               prepared: Prepared | None) -> torch.Tensor:
     """y `[pairs, hidden]`: each pair's weighted down(silu(gate x) * up x), 0 for skipped pairs."""
-    h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens, fill)
+    h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens, fill, prepared)
     if has_kernel(tables.down_type):
         launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens,
                     block_rows=config.down_rows, fill=fill)
@@ -95,15 +98,18 @@ def _plain_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tenso
 
 
 def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, tables: ExpertTables,
-             config: LaunchConfig, block_tokens: int,
-             fill: Fill | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             config: LaunchConfig, block_tokens: int, fill: Fill | None = None,
+             prepared: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h (prepared for the down projection), its sums per 16 columns, and the empty y."""
     num_pairs, device = expert_ids.shape[0], tables.device
     h = torch.empty((num_pairs, tables.ff), dtype=torch.float32, device=device)
     h_sums = torch.empty((num_pairs, tables.ff // GROUP), dtype=torch.float32, device=device)
     y = torch.empty((num_pairs, tables.hidden), dtype=torch.float32, device=device)
     if has_kernel(tables.gate_type) and has_kernel(tables.up_type):
-        x_gate, x_sums = launch_prepare(x, tables.gate_type)
+        if prepared is not None and (prepared.qtype != tables.gate_type or prepared.x.shape != x.shape):
+            raise ValueError(f"x {tuple(x.shape)} prepared as {tuple(prepared.x.shape)} for {prepared.qtype}, "
+                             f"the gate is {tables.gate_type.name}")
+        x_gate, x_sums = (prepared.x, prepared.sums) if prepared is not None else launch_prepare(x, tables.gate_type)
         x_up = x_gate if tables.up_type == tables.gate_type else launch_prepare(x, tables.up_type)[0]
         launch_gate_up(x_gate, x_up, x_sums, token_ids, expert_ids, tables, h, h_sums,
                        block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill)
@@ -112,6 +118,13 @@ def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
         if has_kernel(tables.down_type):
             h, h_sums = launch_prepare(h, tables.down_type)
     return h, h_sums, y
+
+
+def gate_format(tables: ExpertTables) -> QType | None:
+    """The format x is prepared for when the tables run the dedicated kernels (`grouped_expert_ffn`'s
+    `prepared`), else None."""
+    kernels = all(has_kernel(t) for t in (tables.gate_type, tables.up_type, tables.down_type))
+    return tables.gate_type if tables.math.is_plain and kernels else None
 
 
 def tables_from_bank(bank: ExpertWeights, device: torch.device) -> ExpertTables:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -27,6 +27,8 @@ from ops.expert_ffn import expert_ffn_reference
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
 from ops.triton import ExpertTables, LaunchConfig, expert_ffn_triton, grouped_expert_ffn, tables_from_bank  # noqa: E402
+from ops.triton.experts import gate_format  # noqa: E402
+from ops.triton.prepare import Prepared, launch_prepare  # noqa: E402
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 
 # ||out - ref|| / ||ref|| over the whole output. The kernels compute in float32 on exactly the
@@ -142,6 +144,24 @@ def check_16bit_out(case: Case, device: torch.device, seed: int) -> None:
         assert torch.equal(narrow, wide.to(case.dtype))
 
 
+def check_prepared_x(case: Case, device: torch.device, seed: int) -> None:
+    """x prepared elsewhere for the gate format (as `assign_experts` does in a cached decode step) gives the same
+    bits as the launch preparing it; x prepared for another format is refused."""
+    generator = torch.Generator().manual_seed(seed)
+    device_bank = on_device(random_bank(case, generator), device)
+    token_ids, expert_ids, weights = (t.to(device) for t in random_routing(case, generator))
+    x = torch.randn(case.num_tokens, case.hidden, generator=generator).to(case.dtype).to(device)
+    tables = tables_from_bank(device_bank, device)
+    qtype = gate_format(tables)
+    assert qtype == case.types[0]
+    prepared = Prepared(*launch_prepare(x, qtype), qtype, -1, 0)
+    alone = grouped_expert_ffn(x, token_ids, expert_ids, weights, tables)
+    assert torch.equal(grouped_expert_ffn(x, token_ids, expert_ids, weights, tables, prepared=prepared), alone)
+    other = QType.Q8_0 if qtype != QType.Q8_0 else QType.Q4_K
+    with pytest.raises(ValueError, match="prepared"):
+        grouped_expert_ffn(x, token_ids, expert_ids, weights, tables, prepared=replace(prepared, qtype=other))
+
+
 # --- CUDA -----------------------------------------------------------------------------------------
 
 
@@ -191,6 +211,12 @@ def test_pinned_host_bank_reads_the_same_bits() -> None:
 def test_16bit_out_is_the_rounded_float32_result() -> None:
     case = Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=4, dtype=torch.bfloat16)
     check_16bit_out(case, CUDA, int(torch.randint(1 << 30, ())))
+
+
+@pytest.mark.gpu
+def test_x_prepared_elsewhere_reads_the_same_bits() -> None:
+    for seed, types in enumerate(FORMATS[:6]):
+        check_prepared_x(Case(types, num_tokens=3, dtype=torch.bfloat16), CUDA, seed)
 
 
 @pytest.mark.gpu
@@ -307,6 +333,8 @@ INTERPRETER_CASES = [
 INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens}",
                        lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("bf16 out", lambda seed: check_16bit_out(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
+INTERPRETER_CHECKS.append(("prepared x",
+                           lambda seed: check_prepared_x(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
 
 
 @needs_no_cuda
