@@ -6,9 +6,10 @@
 #   2: the step profile of the cached batch-1 step (resident, stream at 25/50/100%, hybrid at 25/50%); resident
 #      and cached (stream) at batch 1 after a 400-token warm-up; llama.cpp's rows on the same file;
 #   3: every core free: the doorbell's round trip (.ci/gpu-bell-probe.py); host memory shared by the link and the
-#      CPU (.ci/gpu-host-share.py); stream and hybrid at 25% (lru, decay) and 50%; the three miss modes with no
-#      cache; 8 sequences at 50%, small budgets against no cache (every policy), the miss modes on a 16 GB/s link.
-# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | 3
+#      CPU (.ci/gpu-host-share.py); a streamed miss's cost by copy block (.ci/gpu-miss-probe.py); stream and hybrid at 25% (lru, decay) and 50%; the three miss modes with no
+#      cache; 8 sequences at 50%, small budgets against no cache (every policy);
+#   4: the miss modes on a 16 GB/s link (where the lease has time left).
+# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | 3 | 4
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LOGS=/tmp/moecache-gpu  # kept between the calls of one lease; packed into $OUT/gpu-logs.tgz at the end
@@ -28,12 +29,12 @@ case "$1" in
   bash .device/h200-llamacpp.sh build
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   # the attention and cache-step kernels every step runs compile and pass first, or the lease stops here
-  pytest_gpu kernels 120 -x tests/ops/test_triton_attention.py tests/ops/test_cache_step.py tests/ops/test_bell.py \
+  pytest_gpu kernels 110 -x tests/ops/test_triton_attention.py tests/ops/test_cache_step.py tests/ops/test_bell.py \
     -k "(test_matches_reference and bf16) or graph_replay or test_write_kv_matches or test_kernels_equal or answer" \
     || { echo "kernel tests failed: stopping"; exit 1; }
-  # NOTE: six pytest workers (pytest-xdist, carried as a wheel), tests spread one by one: the suite is mostly
+  # NOTE: eight pytest workers (pytest-xdist, carried as a wheel), tests spread one by one: the suite is mostly
   # Triton compiles on the CPU (one process ran a fifth of tests/ops in 270 s), llama.cpp builds on 10 cores
-  pytest_gpu suite 540 -n 6 tests/ops tests/engine
+  pytest_gpu suite 460 -n 8 tests/ops tests/engine
   ;;
 2)
   BUDGET_S=165 PROFILE_S=160 PROFILE_LINES=160 bash .ci/gpu-check profile
@@ -48,15 +49,18 @@ case "$1" in
   ;;
 3)
   timeout 40 python3 .ci/gpu-bell-probe.py 14 2>&1 | tee "$LOGS/bell-probe.log" | tail -8
-  PYTHONPATH=/tmp/site:$PWD timeout 60 python3 .ci/gpu-host-share.py 14 2 2>&1 | tee "$LOGS/host-share.log" | tail -3
+  PYTHONPATH=/tmp/site:$PWD timeout 50 python3 .ci/gpu-host-share.py 14 2 2>&1 | tee "$LOGS/host-share.log" | tail -3
+  PYTHONPATH=/tmp/site:$PWD timeout 60 python3 .ci/gpu-miss-probe.py 2>&1 | tee "$LOGS/miss-probe.log" | tail -3
   BUDGET_S=100 CACHED_S=95 CACHED_NAME=modes25 CACHED_FRACS=0.25 CACHED_POLICIES=lru,decay CACHED_MODES=stream,hybrid \
     CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   BUDGET_S=60 CACHED_S=55 CACHED_NAME=hybrid50 CACHED_FRACS=0.5 CACHED_POLICIES=lru CACHED_MODES=hybrid \
     CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
-  BUDGET_S=60 CACHED_S=55 CACHED_NAME=modes0 CACHED_FRACS=0 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
+  BUDGET_S=55 CACHED_S=50 CACHED_NAME=modes0 CACHED_FRACS=0 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 64 --gen-len 32 --repeats 1" bash .ci/gpu-check cached
   BUDGET_S=60 BATCH8_S=55 bash .ci/gpu-check batch8
-  BUDGET_S=150 SMALL_S=145 bash .ci/gpu-check small
+  BUDGET_S=135 SMALL_S=130 bash .ci/gpu-check small
+  ;;
+4)  # a 16 GB/s link (a desktop GPU's): the miss modes with no cache and at 50%
   BUDGET_S=70 CACHED_S=65 CACHED_NAME=link16 CACHED_FRACS=0,0.5 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 100 --gen-len 24 --repeats 1 --link-gbps 16" bash .ci/gpu-check cached
   ;;

@@ -3,6 +3,8 @@ driven through the device model of `replay.py`, and where the policy uploads the
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from engine.expert_cache.plan import GroupPlan
@@ -97,15 +99,27 @@ def test_lfru_gives_back_a_landed_expert_that_is_not_clearly_hotter() -> None:
     assert set(lfru.residents()) == {(0, 0)}
 
 
-def test_scored_policies_split_slots_per_layer_and_land_per_layer() -> None:
+def test_lfru_splits_slots_per_layer_and_lands_per_layer() -> None:
     assert layer_slots(group((4, 5, 6), num_slots=7)) == {4: range(0, 3), 5: range(3, 5), 6: range(5, 7)}
-    decay = make_policy("decay", group((4, 5, 6), num_experts=8, top_k=4, num_slots=14), PolicyConfig())
-    device = DeviceModel(decay, lag=0)
+    lfru = make_policy("lfru", group((4, 5, 6), num_experts=8, top_k=4, num_slots=14), PolicyConfig(lfru_margin=1.0))
+    device = DeviceModel(lfru, lag=0)
     _, landed, decision = device.step({4: [0, 1, 2, 3], 5: [0, 1, 2, 3], 6: [0, 1, 2, 3]})
     assert sorted(landed[(5, e)] for e in range(4) if (5, e) in landed) == [5, 6, 7, 8]  # layer 5: slots 5..9
     # each ring keeps one slot offered (a quarter of 4 or 5 slots): its weakest landed expert is given back
-    assert all(len(decay.offered(ring)) == 1 for ring in range(3))
-    assert all(layer * 0 + slot in layer_slots(decay.group)[layer] for (layer, _), slot in decay.residents().items())
+    assert all(len(lfru.offered(ring)) == 1 for ring in range(3))
+    assert all(slot in layer_slots(lfru.group)[layer] for (layer, _), slot in lfru.residents().items())
+
+
+def test_decay_shares_one_pool_so_a_layer_that_routes_widely_holds_more_slots() -> None:
+    """Layer 0 uses the same two experts every token, layer 1 cycles over eight: with one pool of eight slots,
+    layer 1 ends up holding most of them (per-layer pools would give each four)."""
+    decay = make_policy("decay", group((0, 1), num_experts=16, top_k=2, num_slots=8), PolicyConfig())
+    device = DeviceModel(decay, lag=1)
+    for t in range(64):
+        device.step({0: [0, 1], 1: [2 * (t % 4), 2 * (t % 4) + 1]})
+    held = Counter(layer for layer, _ in decay.residents())
+    assert held[0] == 2 and held[1] >= 4, held
+    assert len(decay.rings) == 1
 
 
 def test_a_cold_cache_fills_in_one_step_where_misses_land() -> None:
@@ -137,16 +151,17 @@ def test_a_prompt_step_gets_offers_for_its_misses_before_it_runs() -> None:
 
 
 @pytest.mark.parametrize("name", ["decay", "lfru"])
-def test_reserve_offers_per_layer_ring_for_scored_policies(name: str) -> None:
+def test_reserve_offers_per_ring_for_scored_policies(name: str) -> None:
     policy = make_policy(name, group((0, 1), num_experts=32, top_k=2, num_slots=32), PolicyConfig())
     device = DeviceModel(policy, lag=1)
     for t in range(30):
         device.step({0: [t % 20, 20], 1: [t % 20, 21]})
-    before = [len(policy.offered(r)) for r in range(2)]
+    rings = range(len(policy.rings))  # decay: one pool of 32 slots; lfru: one of 16 a layer
+    before = [len(policy.offered(r)) for r in rings]
     policy.reserve(8)
-    after = [len(policy.offered(r)) for r in range(2)]
+    after = [len(policy.offered(r)) for r in rings]
     assert all(a >= b for a, b in zip(after, before)) and sum(after) > sum(before)
-    assert all(a <= 16 // 4 for a in after)  # at most a quarter of each ring
+    assert all(a <= 32 // len(rings) // 4 for a in after)  # at most a quarter of each ring
 
 
 def test_reserve_offers_nothing_where_misses_do_not_land() -> None:
@@ -183,7 +198,8 @@ def test_lru_upload_never_evicts_an_expert_used_in_the_same_step() -> None:
 def test_decay_uploads_at_most_promote_per_step_best_first() -> None:
     config = PolicyConfig(promote_per_step=2)
     decay = make_policy("decay", group((0, 1, 2), num_experts=8, top_k=1, num_slots=3), config, landing=False)
-    assert uploads(decay, {0: [1, 2, 3], 1: [5, 5, 6], 2: [7, 7, 7]}) == [Promotion(2, 2, 7, None),
+    # one pool of three slots: the two hottest misses of any layer, into the first free slots
+    assert uploads(decay, {0: [1, 2, 3], 1: [5, 5, 6], 2: [7, 7, 7]}) == [Promotion(0, 2, 7, None),
                                                                           Promotion(1, 1, 5, None)]
 
 
@@ -198,6 +214,7 @@ def test_decay_upload_replaces_only_a_weaker_resident() -> None:
 def test_decay_warm_start_seeds_steady_state_scores_per_layer() -> None:
     decay = DecayPolicy(group((0, 1), num_experts=8, top_k=1, num_slots=2), PolicyConfig(decay=0.9))
     promotions = decay.warm_start(Profile({0: {1: 30, 2: 10}, 1: {3: 4}}))
+    # the pool takes the highest uses per token of either layer: (1, 3) on every token of its layer, not (0, 2)
     assert {(p.layer, p.expert) for p in promotions} == {(0, 1), (1, 3)}
     assert decay.score(0, 1) == pytest.approx(0.75 / (1 - 0.9))  # used by 75% of the tokens
     assert decay.score(1, 3) == pytest.approx(1.0 / (1 - 0.9))
