@@ -140,7 +140,7 @@ def profile_config(engine: LLMEngine, name: str, spec: str, args: argparse.Names
     engine.reconfigure_cache(cache_config(engine, spec))
     decode(engine, args.batch, args.warmup)  # compile, capture, fill the cache
     seconds = decode(engine, args.batch, args.steps)
-    snap_before = engine.cache.snapshot()
+    snap_before, work_before = engine.cache.snapshot(), engine.cache.cpu_work()
     host = cProfile.Profile()
     start(engine, args.batch, args.steps)
     host.enable()
@@ -166,6 +166,13 @@ def profile_config(engine: LLMEngine, name: str, spec: str, args: argparse.Names
     hit = hits / (hits + misses) if hits + misses else float("nan")
     print(f"== {name} [{spec}]: {seconds * 1e3:.3f} ms a step ({args.batch / seconds:.1f} tok/s), hit {hit:.1%}; "
           f"under cProfile {host_seconds * 1e3:.3f} ms", flush=True)
+    split, work = engine.cache.split, engine.cache.cpu_work()
+    if split.is_hybrid or work.calls:
+        experts, busy = work.experts - work_before.experts, work.busy_seconds - work_before.busy_seconds
+        print(f"   split: share {split.share:.3f} lead {split.lead:.2f} (link {split.link_gbps:.1f} GB/s, CPU "
+              f"{split.cpu_gbps:.1f} GB/s, fixed {split.fixed_seconds * 1e6:.1f} us); CPU {experts / args.steps:.1f} "
+              f"experts a step, {busy / args.steps * 1e3:.3f} ms of work ({busy / max(experts, 1) * 1e6:.1f} us an "
+              f"expert); link busy {split.link.busy:.2f}", flush=True)
     print("\n".join(timeline_report(kernels, args.steps) + [launch] + host_report(host, args.steps)), flush=True)
 
 
