@@ -175,8 +175,8 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, max_tokens: int, mo
     cpu = CpuTasks(host, rows, max_tokens, hp.top_k, hp.hidden, device,
                    cfg.cpu_threads or default_cpu_threads(device)) if cfg.mode.uses_cpu and host else None
     cap = link_cap(cfg, device)
-    split = Split(cfg.mode, device, next(iter(host.values()), None), device_path, link_cap_gbps=cfg.link_gbps,
-                  cpu=cpu)
+    split = Split(cfg.mode, device, list(host.values())[:2], device_path, link_cap_gbps=cfg.link_gbps, cpu=cpu,
+                  cached_share=plan.share)
     manager = CacheManager(host, plan, cfg, device, rows, len(moe_layers), hp.num_experts, stats, profile,
                            (split.share, split.lead), cap)
     dispatcher = ExpertDispatcher(host, resident, manager, cfg, device, moe_layers, hp.top_k, max_tokens, cpu,

@@ -91,7 +91,7 @@ class CpuTasks:
     def __init__(self, host: Mapping[int, ExpertWeights], rows: Mapping[int, int], max_tokens: int, top_k: int,
                  hidden: int, device: torch.device, num_threads: int) -> None:
         """rows: the MoE row of each layer (the task index the device rings with)."""
-        self.device, self.rows = device, rows
+        self.device, self.rows, self.num_threads = device, rows, num_threads
         self.job = CpuJob.allocate(max_tokens, top_k, hidden, pin=device.type == "cuda")
         self.tasks: dict[int, Task] = {layer: make_task(bank, self.job, num_threads) for layer, bank in host.items()}
         self.num_experts = {layer: bank.num_experts for layer, bank in host.items()}

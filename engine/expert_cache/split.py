@@ -4,13 +4,21 @@ B bytes, the device streams s of them in s B / link; the CPU computes the rest i
 where c is the fixed cost of the layer's CPU task (its start and join, as the device waits for them).
 Equal times give s = share n + lead, share = link / (link + CPU) and lead = c / (B / link + B / CPU): the
 device streams the first `share x n + lead` of a layer's missed experts, in pair order (`ops.cache_step`),
-so a layer with few misses streams them all. The engine re-measures the CPU as it runs (`CpuTasks.work`)."""
+so a layer with few misses streams them all.
+
+Both paths read the same host memory. Where it cannot feed both at their own rates (measured at start with
+both reading at once: on the H200 host, link 42 + CPU 55 GB/s alone, 30 + 26 at once), each runs slower while
+the other does, so a split pays only where it moves enough bytes: the layer streams every miss below
+n0 = c CPU' / (B (both / link - 1)) misses (`both` the two at once, CPU' the CPU's part of it), and streams
+everything when both at once read no faster than the link alone. The engine re-measures the CPU as it runs
+(`CpuTasks.work`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from engine.config import MissMode
@@ -44,37 +52,88 @@ def measure_link_gbps(device: torch.device, num_bytes: int = 64 << 20) -> float:
     return num_bytes / _seconds(copy) / 1e9
 
 
-def measure_cpu_gbps(bank: ExpertWeights, num_experts: int = 8) -> float:
-    """The CPU expert kernel on `num_experts` of the bank's experts, one token: expert bytes per second."""
-    experts = torch.arange(min(num_experts, bank.gate.shape[0]))
-    x = torch.randn(1, bank.hidden)
-    tokens, weights = torch.zeros_like(experts), torch.full((len(experts),), 1.0 / len(experts))
-    def run() -> None:
-        expert_ffn_cpu(x, tokens, experts, weights, bank)
+def _streamer(bank: ExpertWeights, device: torch.device) -> Callable[[int], None]:
+    """`stream(r)`: the device copies round r's 8 experts of `bank` (cycling through all of them, so they come
+    from host memory, not a cache) into VRAM inside the grouped FFN's kernels and computes them, as a decode
+    step computes streamed misses."""
+    from ops.triton import ExpertTables, Fill, grouped_expert_ffn, tables_from_bank
 
-    seconds = _seconds(run)
-    return len(experts) * bank.expert_bytes / seconds / 1e9
-
-
-def measure_stream_gbps(bank: ExpertWeights, device: torch.device, num_experts: int = 8) -> float:
-    """The device's own speed on missed experts, as a decode step computes them: copied from pinned host
-    memory into VRAM inside the grouped FFN's kernels."""
-    from ops.triton import Fill, grouped_expert_ffn, tables_from_bank
-
-    n = min(num_experts, bank.num_experts)
-    first = ExpertWeights(bank.gate[:n], bank.up[:n], bank.down[:n], bank.gate_type, bank.up_type,
-                          bank.down_type, bank.hidden, bank.ff)  # plain math: the copy speed is measured
-    src, dst = tables_from_bank(first, device), tables_from_bank(empty_bank(first, n, device), device)
+    n, k = bank.num_experts, min(8, bank.num_experts)
+    plain = ExpertWeights(bank.gate, bank.up, bank.down, bank.gate_type, bank.up_type, bank.down_type, bank.hidden,
+                          bank.ff)  # plain math: the copy speed is measured
+    src, vram = tables_from_bank(plain, device), tables_from_bank(empty_bank(plain, k, device), device)
+    row = torch.arange(n, device=device) % k  # expert e lands in VRAM row e % k: a round's k experts apart
+    dst = ExpertTables(vram.gate_ptrs[row], vram.up_ptrs[row], vram.down_ptrs[row], plain.gate_type, plain.up_type,
+                       plain.down_type, plain.hidden, plain.ff)
     fill = Fill(torch.ones(n, dtype=torch.int8, device=device), src)
-    experts = torch.arange(n, device=device)
     x = torch.randn(1, bank.hidden, device=device, dtype=torch.bfloat16)
-    tokens, weights = torch.zeros_like(experts), torch.full((n,), 1.0, device=device)
+    tokens, weights = torch.zeros(k, dtype=torch.int64, device=device), torch.ones(k, device=device)
+    rounds = [(torch.arange(k, device=device) + r * k) % n for r in range(-(-n // k))]
+
+    def stream(r: int) -> None:
+        grouped_expert_ffn(x, tokens, rounds[r % len(rounds)], weights, dst, fill=fill)
+
+    return stream
+
+
+def _device_gbps(stream: Callable[[int], None], rounds: int, round_bytes: int,
+                 meanwhile: Callable[[torch.cuda.Event], None] | None = None) -> float:
+    """Bytes a second of `rounds` rounds of `stream`, timed on the device; `meanwhile(end)` runs on the host while
+    they do (until `end` has happened)."""
+    stream(0)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for r in range(rounds):
+        stream(r)
+    end.record()
+    if meanwhile is not None:
+        meanwhile(end)
+    end.synchronize()
+    return rounds * round_bytes / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def measure_stream_gbps(bank: ExpertWeights, device: torch.device, rounds: int = 32) -> float:
+    """The device's own speed on missed experts, as a decode step computes them (`_streamer`), alone."""
+    k = min(8, bank.num_experts)
+    return _device_gbps(_streamer(bank, device), rounds, k * bank.expert_bytes)
+
+
+def measure_shared_gbps(link_bank: ExpertWeights, cpu_bank: ExpertWeights, device: torch.device, num_threads: int,
+                        rounds: int = 32) -> tuple[float, float]:
+    """(device, CPU) expert bytes a second with both reading host memory at once: the device streams
+    `link_bank`'s experts while the CPU kernel computes `cpu_bank`'s, 8 of one token a call."""
+    k, n = min(8, link_bank.num_experts), cpu_bank.num_experts
+    x, tokens = torch.randn(1, cpu_bank.hidden), torch.zeros(min(8, n), dtype=torch.int64)
+    weights = torch.full((min(8, n),), 1.0)
+    moved: list[float] = []
+
+    def cpu_meanwhile(end: torch.cuda.Event) -> None:
+        calls, began = 0, time.perf_counter()
+        while not end.query() or calls == 0:
+            experts = (torch.arange(min(8, n)) + calls * 8) % n
+            expert_ffn_cpu(x, tokens, experts, weights, cpu_bank, num_threads=num_threads)
+            calls += 1
+        moved.append(calls * min(8, n) * cpu_bank.expert_bytes / (time.perf_counter() - began) / 1e9)
+
+    link = _device_gbps(_streamer(link_bank, device), rounds, k * link_bank.expert_bytes, cpu_meanwhile)
+    return link, moved[0]
+
+
+def measure_cpu_gbps(bank: ExpertWeights, num_experts: int = 8, num_threads: int | None = None) -> float:
+    """The CPU expert kernel on `num_experts` of the bank's experts a call, one token, cycling through the bank
+    (so they come from memory): expert bytes per second."""
+    n, k = bank.num_experts, min(num_experts, bank.num_experts)
+    x = torch.randn(1, bank.hidden)
+    tokens, weights = torch.zeros(k, dtype=torch.int64), torch.full((k,), 1.0 / k)
+    calls = [0]
 
     def run() -> None:
-        grouped_expert_ffn(x, tokens, experts, weights, dst, fill=fill)
-        torch.cuda.synchronize(device)
+        experts = (torch.arange(k) + calls[0] * k) % n
+        expert_ffn_cpu(x, tokens, experts, weights, bank, num_threads=num_threads)
+        calls[0] += 1
 
-    return n * first.expert_bytes / _seconds(run) / 1e9
+    return k * bank.expert_bytes / _seconds(run) / 1e9
 
 
 def cpu_task_costs(tasks: CpuTasks, layer: int, top_k: int) -> tuple[float, float]:
@@ -109,34 +168,91 @@ class LinkLoad:
         return self._bytes / (self.link_gbps * 1e9) / self._seconds
 
 
-class Split:
-    """The split of hybrid mode (module doc): `share` and `lead`, from the link and the CPU measured at start
-    (the CPU task's fixed cost on CUDA with a ringing device, else none); the CPU's rate then re-measured from
-    the tasks' own counters every `every` decode steps. Stream mode streams every miss (share 1), cpu mode
-    none (share 0). `link`: how busy streamed misses keep the link, for `uploads_cpu_misses`."""
+def layer_seconds(streamed: np.ndarray, missed: np.ndarray, expert_bytes: int, link: float, cpu: float, fixed: float,
+                  at_once: tuple[float, float] | None = None, later_misses: float = 0.0) -> np.ndarray:
+    """The modeled time of layers of `missed` experts with `streamed` of them on the link (rates in bytes a second,
+    `fixed` the CPU task's seconds): the link alone, the CPU alone, or both at once at their shared rates
+    (`at_once`; None: each at its own). An expert the CPU computes does not land: `later_misses` streamed misses
+    each costs later."""
+    link_both, cpu_both = at_once or (link, cpu)
+    on_cpu = missed - streamed
+    split = np.maximum(streamed * expert_bytes / link_both, fixed + on_cpu * expert_bytes / cpu_both)
+    seconds = np.where(on_cpu <= 0, missed * expert_bytes / link,
+                       np.where(streamed <= 0, fixed + missed * expert_bytes / cpu, split))
+    return seconds + later_misses * np.maximum(on_cpu, 0) * expert_bytes / link
 
-    def __init__(self, mode: MissMode, device: torch.device, bank: ExpertWeights | None, on_device: bool,
-                 every: int = 64, link_cap_gbps: float | None = None, cpu: CpuTasks | None = None) -> None:
+
+def later_misses_of(cached_share: float) -> float:
+    """The later misses an expert the CPU computed (and did not land) costs, by the share of the host experts the
+    cache holds: replaying bench's requests, about 1 at 50% and 0.2 at 25%
+    (tests/engine/expert_cache/test_cache_replay.py); none without a cache."""
+    return min(1.0, max(0.0, (cached_share - 0.2) / 0.3)) if cached_share > 0 else 0.0
+
+
+def streamed_of(share: np.ndarray | float, lead: np.ndarray | float, missed: np.ndarray | int) -> np.ndarray:
+    """The kernel's rule (`ops.cache_step`): round(share x misses + lead), at most the misses."""
+    return np.minimum(np.floor(np.float32(share) * np.float32(missed) + np.float32(lead) + np.float32(0.5)), missed)
+
+
+SHARES, LEADS = np.arange(1, 51) / 50, np.arange(0, 81) / 20  # the grid `best_split` searches
+
+
+def best_split(expert_bytes: int, link: float, cpu: float, fixed: float, at_once: tuple[float, float] | None,
+               max_missed: int, later_misses: float = 0.0) -> tuple[float, float]:
+    """(share, lead) whose rule (`streamed_of`) gives layers of 1..max_missed misses the least modeled time in all
+    (`layer_seconds`), over shares by 0.02 and leads by 0.05 (the smallest lead, then the largest share, of
+    equal times)."""
+    share, lead, missed = np.meshgrid(SHARES, LEADS, np.arange(1, max_missed + 1), indexing="ij")
+    seconds = layer_seconds(streamed_of(share, lead, missed), missed, expert_bytes, link, cpu, fixed, at_once,
+                            later_misses)
+    total = seconds.sum(axis=2)  # [shares, leads]
+    best = np.flatnonzero(total.T.reshape(-1) <= total.min() * (1 + 1e-9))[0]  # leads first, then shares
+    i_lead, i_share = divmod(int(best), len(SHARES))
+    return float(SHARES[i_share]), float(LEADS[i_lead])
+
+
+class Split:
+    """The split of hybrid mode (module doc): `share` and `lead`, from the link and the CPU measured at start, alone
+    and at once (on CUDA with a ringing device; the CPU task's fixed cost too), the CPU's rate then re-measured from
+    the tasks' own counters every `every` decode steps. Stream mode streams every miss (share 1), cpu mode none
+    (share 0); hybrid streams every miss where the host's memory feeds no more to both than to the link alone.
+    `link`: how busy streamed misses keep the link, for `uploads_cpu_misses`."""
+
+    def __init__(self, mode: MissMode, device: torch.device, banks: Sequence[ExpertWeights], on_device: bool,
+                 every: int = 64, link_cap_gbps: float | None = None, cpu: CpuTasks | None = None,
+                 cached_share: float = 0.0) -> None:
         self.every, self.link_gbps, self.cpu_gbps, self.fixed_seconds = every, 0.0, 0.0, 0.0
+        self.later_misses = later_misses_of(cached_share)
+        self.at_once_gbps: tuple[float, float] | None = None  # (link, CPU) reading host memory together
+        self.max_missed = 8
+        bank = banks[0] if banks else None
         self.expert_bytes = bank.expert_bytes if bank is not None else 0
-        self.lead = 0.0
-        self._steps = 0
+        self.hybrid = mode.uses_cpu and mode.streams and bank is not None
+        self.share, self.lead = (1.0 if not mode.uses_cpu else 0.0), 0.0
+        self._steps, self._cpu_alone = 0, 0.0
         self._last: CpuWork | None = None
-        if not mode.uses_cpu:
-            self.share = 1.0
-        elif not mode.streams or bank is None:
-            self.share = 0.0
-        else:
-            self.link_gbps = measure_stream_gbps(bank, device) if on_device else measure_link_gbps(device)
-            self.link_gbps = min(self.link_gbps, link_cap_gbps or self.link_gbps)
-            if on_device and cpu is not None and cpu.rings:
-                top_k = cpu.job.expert_ids.shape[0] // cpu.job.x.shape[0]
-                self.fixed_seconds, per = cpu_task_costs(cpu, next(iter(cpu.tasks)), top_k)
-                self.cpu_gbps = bank.expert_bytes / per / 1e9
-            else:
-                self.cpu_gbps = measure_cpu_gbps(bank)
+        if self.hybrid:
+            assert bank is not None
+            self._measure(banks, device, on_device, link_cap_gbps, cpu)
             self.share, self.lead = self._split()
         self.link = LinkLoad(self.link_gbps)
+
+    def _measure(self, banks: Sequence[ExpertWeights], device: torch.device, on_device: bool,
+                 link_cap_gbps: float | None, cpu: CpuTasks | None) -> None:
+        bank, other = banks[0], banks[-1]
+        threads = cpu.num_threads if cpu is not None else None
+        self.link_gbps = measure_stream_gbps(bank, device) if on_device else measure_link_gbps(device)
+        self.cpu_gbps = measure_cpu_gbps(other, num_threads=threads)
+        if on_device and cpu is not None and cpu.rings:
+            self.max_missed = cpu.job.expert_ids.shape[0] // cpu.job.x.shape[0]
+            self.fixed_seconds, _ = cpu_task_costs(cpu, next(iter(cpu.tasks)), self.max_missed)
+            self.at_once_gbps = measure_shared_gbps(bank, other, device, cpu.num_threads)
+        if link_cap_gbps:  # a slower link simulated: it alone limits the device's share
+            scale = min(1.0, link_cap_gbps / self.link_gbps)
+            self.link_gbps *= scale
+            if self.at_once_gbps is not None:
+                self.at_once_gbps = (self.at_once_gbps[0] * scale, self.at_once_gbps[1])
+        self._cpu_alone = self.cpu_gbps
 
     @property
     def uploads_cpu_misses(self) -> bool:
@@ -148,18 +264,21 @@ class Split:
         return self.is_hybrid and self.link.busy < UPLOAD_LINK_BUSY
 
     def _split(self) -> tuple[float, float]:
-        share = self.link_gbps / (self.link_gbps + self.cpu_gbps)
-        expert_seconds = self.expert_bytes / (self.link_gbps * 1e9) + self.expert_bytes / (self.cpu_gbps * 1e9)
-        return share, self.fixed_seconds / expert_seconds
+        at_once = None
+        if self.at_once_gbps is not None:  # the CPU's part scaled by how its own rate moved since the start
+            at_once = (self.at_once_gbps[0] * 1e9,
+                       self.at_once_gbps[1] * 1e9 * self.cpu_gbps / (self._cpu_alone or self.cpu_gbps))
+        return best_split(self.expert_bytes, self.link_gbps * 1e9, self.cpu_gbps * 1e9, self.fixed_seconds, at_once,
+                          self.max_missed, self.later_misses)
 
     @property
     def is_hybrid(self) -> bool:
+        """Both the link and the CPU take misses (hybrid mode may stream them all)."""
         return 0.0 < self.share < 1.0
 
     def update(self, work: CpuWork) -> tuple[float, float] | None:
-        """After a decode step: the new (share, lead) when the CPU's measured rate moved the share by more than
-        2 points."""
-        if not self.is_hybrid:
+        """After a decode step: the new (share, lead) when the CPU's measured rate moved the split."""
+        if not self.hybrid:
             return None
         self._steps += 1
         if self._last is None or self._steps % self.every:
@@ -171,7 +290,7 @@ class Split:
             return None
         self.cpu_gbps = moved / busy / 1e9
         share, lead = self._split()
-        if abs(share - self.share) <= 0.02:
+        if abs(share - self.share) <= 0.02 and abs(lead - self.lead) <= 0.1:
             return None
         self.share, self.lead = share, lead
         return share, lead
