@@ -118,7 +118,7 @@ class ExpertCache:
             return f"experts: {p.reason}"
         return (f"experts: {p.reason}; {len(p.host_layers)} layers in host RAM, {len(p.resident_layers)} resident; "
                 f"cache {plan.cache_bytes / 2**20:.0f} MiB, {plan.num_slots} slots ({plan.share:.1%} of host "
-                f"experts), policy {self.cfg.policy}, misses on {self.cfg.miss_mode}")
+                f"experts), policy {self.cfg.policy}, misses on {self.cfg.miss_mode}{self.split.describe()}")
 
     def close(self) -> list[str]:
         self.flush()

@@ -271,6 +271,15 @@ class Split:
         return best_split(self.expert_bytes, self.link_gbps * 1e9, self.cpu_gbps * 1e9, self.fixed_seconds, at_once,
                           self.max_missed, self.later_misses)
 
+    def describe(self) -> str:
+        """The split and what it was measured from (hybrid mode), for the cache's description."""
+        if not self.hybrid:
+            return ""
+        at_once = f", at once {self.at_once_gbps[0]:.1f} + {self.at_once_gbps[1]:.1f}" if self.at_once_gbps else ""
+        return (f" (streams round({self.share:.2f} x misses + {self.lead:.2f}) of a layer's misses: link "
+                f"{self.link_gbps:.1f}, CPU {self.cpu_gbps:.1f}{at_once} GB/s, CPU task {self.fixed_seconds * 1e6:.0f} "
+                f"us, {self.later_misses:.2f} later misses a CPU expert)")
+
     @property
     def is_hybrid(self) -> bool:
         """Both the link and the CPU take misses (hybrid mode may stream them all)."""
