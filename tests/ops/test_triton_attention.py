@@ -110,16 +110,14 @@ def assert_close(case: Case, out: torch.Tensor, ref: torch.Tensor, seed: int) ->
 
 
 def assert_same_values(case: Case, out: torch.Tensor, same: torch.Tensor, seed: int) -> None:
-    """The kernel over a quantized cache equals itself over the dequantized cache: bit for bit in float32; in a
-    16-bit dtype on a GPU within one rounding of the output (the tensor cores may sum a tile the kernel
-    dequantized in registers in another order than one it loaded; measured on the H200), where a wrong scale,
-    code or rounding of a value moves outputs by far more."""
+    """The kernel over a quantized cache equals itself over the dequantized cache: bit for bit in float32 (where a
+    wrong scale, code or rounding of one value shows); in a 16-bit dtype on a GPU within that dtype's tolerance (the
+    tensor cores sum a tile the kernel dequantized in registers in another order than one it loaded, and the
+    softmax's 16-bit steps carry that on: up to 15 roundings of an output measured on the H200)."""
     if case.dtype == torch.float32 or out.device.type != "cuda":
         assert torch.equal(out, same), f"{case} seed {seed}: not the values of the dequantized cache"
         return
-    ulp = torch.finfo(case.dtype).eps * torch.maximum(out.float().abs(), same.float().abs()) + 1e-6
-    worst = ((out.float() - same.float()).abs() / ulp).max().item()
-    assert worst <= 1.0, f"{case} seed {seed}: {worst:.1f} roundings from the values of the dequantized cache"
+    assert_close(case, out, same.double().cpu().to(case.dtype), seed)
 
 
 def run_case(case: Case, device: torch.device, seed: int) -> float:
