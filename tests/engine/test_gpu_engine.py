@@ -305,19 +305,20 @@ def test_gemma4_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], ca
 @pytest.mark.parametrize("model", ["gpt-oss-tiny", "gemma4-tiny"])
 def test_quantized_kv_cache_beside_windows_sinks_and_wide_heads(preset_gguf: Callable[[str], Path],
                                                                model: str) -> None:
-    """q8_0 K and V where the attention runs in torch over the dequantized window (gpt-oss's sinks and sliding
-    windows, gemma4's windows, 128-wide full-attention heads and shared-KV layers): captured float32 steps on the
-    device give the CPU's logits over the same quantized cache. (q8_0: the device's and the CPU's float32 K and V
-    differ in their last bits, which moves a value across a rounding boundary now and then: a whole step of the
-    code, 1/127 of its block's largest here, 1/7 in q4_0, where gemma4-tiny's logits moved by 2.4e-2 and 0.17 on
-    two H200 hosts; q4_0 itself is checked against the dequantized cache in tests/ops/test_triton_attention.py.)"""
+    """q8_0 K and q4_0 V where the attention runs in torch over the dequantized window (gpt-oss's sinks and
+    sliding windows, gemma4's windows, 128-wide full-attention heads and shared-KV layers): captured float32
+    steps on the device give the CPU's logits over the same quantized cache. NOTE: fails on the H200 as of
+    2026-12-02 (gemma4-tiny 0.17, and with q8_0 V both models, 0.155 and 0.081, the first prompt only: the one
+    longer than the window), where it passed at 2.4e-2 before: open (docs/benchmarks.md, fourth lease)."""
     path = preset_gguf(model)
     prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
     logits = {}
     for device in ("cuda", "cpu"):
         cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64,
-                                             cache_type_k="q8_0", cache_type_v="q8_0"),
+                                             cache_type_k="q8_0", cache_type_v="q4_0"),
                            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
         logits[device] = teacher_forced_logits(LLMEngine(cfg), prompts, 24)  # past the 16-position window
     for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
-        assert rel_error(gpu, cpu) < 5e-2  # a broken window, sink or shared layer moves them by O(1)
+        # a last-bit difference of k or v moves a value across a rounding boundary now and then, a whole
+        # 4-bit step in v (gemma4-tiny: 2.4e-2 on the H200); q4_0 itself moves them by up to 0.3 (above)
+        assert rel_error(gpu, cpu) < 5e-2
