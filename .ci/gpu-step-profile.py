@@ -1,5 +1,6 @@
 """Where a decode step's time goes, per cache configuration: the device timeline of the steps (kernels,
-the gaps between them inside a step, the idle time between steps, which is the host's critical path)
+the gaps between them inside a step, the idle time between steps, which is the host's critical path),
+the graph launch call in the decode loop (host time, and the device's time from it to the graph's end)
 and the host's time per step split by function (cProfile).
 
 Usage: python3 .ci/gpu-step-profile.py MODEL.gguf [--steps 16] [--warmup 400] [--batch 1]
@@ -163,6 +164,7 @@ def profile_config(engine: LLMEngine, name: str, spec: str, args: argparse.Names
             sync(engine)
         kernels = kernels_of(prof)
     launch = graph_launch_us(engine)
+    replays = replay_timeline(engine, args.batch, args.steps)
     hit = hits / (hits + misses) if hits + misses else float("nan")
     print(f"== {name} [{spec}]: {seconds * 1e3:.3f} ms a step ({args.batch / seconds:.1f} tok/s), hit {hit:.1%}; "
           f"under cProfile {host_seconds * 1e3:.3f} ms", flush=True)
@@ -173,7 +175,41 @@ def profile_config(engine: LLMEngine, name: str, spec: str, args: argparse.Names
               f"{split.cpu_gbps:.1f} GB/s, fixed {split.fixed_seconds * 1e6:.1f} us); CPU {experts / args.steps:.1f} "
               f"experts a step, {busy / args.steps * 1e3:.3f} ms of work ({busy / max(experts, 1) * 1e6:.1f} us an "
               f"expert); link busy {split.link.busy:.2f}", flush=True)
-    print("\n".join(timeline_report(kernels, args.steps) + [launch] + host_report(host, args.steps)), flush=True)
+    print("\n".join(timeline_report(kernels, args.steps) + [launch, replays] + host_report(host, args.steps)),
+          flush=True)
+
+
+def replay_timeline(engine: LLMEngine, batch: int, steps: int) -> str:
+    """In the decode loop: the host's time in each graph launch call, and the device's from the call's start to the
+    graph's end (CUDA events on the stream before and after the call; the device is idle before it), medians."""
+    if engine.device.type != "cuda":
+        return "   (no graph launches: not a CUDA device)"
+    calls: list[float] = []
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed(graph: torch.cuda.CUDAGraph) -> None:
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        began = time.perf_counter()
+        replay(graph)
+        calls.append(time.perf_counter() - began)
+        after.record()
+        events.append((before, after))
+
+    start(engine, batch, steps)
+    torch.cuda.CUDAGraph.replay = timed  # type: ignore[method-assign]
+    try:
+        while engine.has_unfinished():
+            engine.step()
+        sync(engine)
+    finally:
+        torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
+    if not calls:
+        return "   (no graph launches in the decode loop)"
+    device = sorted(b.elapsed_time(a) for b, a in events)[len(events) // 2]
+    return (f"   in the loop: launch call {sorted(calls)[len(calls) // 2] * 1e6:.0f} us (host), launch call to the "
+            f"graph's end {device:.3f} ms (device), {len(calls)} launches")
 
 
 def graph_launch_us(engine: LLMEngine) -> str:
