@@ -125,12 +125,17 @@ class ExpertDispatcher:
         return self.record.take(self.pairs, self.num_tokens, is_prefill)
 
     # -- paths ----------------------------------------------------------------------------------------------
+    def _tensor_cores(self, x: torch.Tensor) -> bool:
+        """A prefill's experts as bf16 grouped GEMMs (`ops.grouped_gemm`). NOTE: not for float32 activations: a
+        float32 model's prefill would compute its experts in bf16 and write K and V of its prompt from them."""
+        return x.dtype != torch.float32 and grouped_gemm_available(self.device)
+
     def _resident_ffn(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                       weights: torch.Tensor) -> torch.Tensor:
         bank = self.resident[layer]
         if not self.on_device:
             return expert_ffn(x, *flatten_pairs(expert_ids, weights), bank).to(x.dtype)
-        if self.kind is StepKind.PREFILL and grouped_gemm_available(self.device):
+        if self.kind is StepKind.PREFILL and self._tensor_cores(x):
             return expert_ffn_grouped_gemm(x, *flatten_pairs(expert_ids, weights), bank).to(x.dtype)
         from ops.triton import grouped_expert_ffn
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
@@ -206,7 +211,7 @@ class ExpertDispatcher:
             return expert_ffn(x, *flatten_pairs(expert_ids, weights), self.host[layer]).to(x.dtype)
         assert self.stager is not None, "the device stages host layers for large batches"
         bank = self.stager.bank(layer)
-        if grouped_gemm_available(self.device):
+        if self._tensor_cores(x):
             out = expert_ffn_grouped_gemm(x, *flatten_pairs(expert_ids, weights), bank)
         else:
             from ops.triton import grouped_expert_ffn, tables_from_bank
