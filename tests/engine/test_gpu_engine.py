@@ -324,8 +324,8 @@ def test_quantized_kv_cache_beside_windows_sinks_and_wide_heads(preset_gguf: Cal
     sliding windows, gemma4's windows, 128-wide full-attention heads and shared-KV layers): captured float32
     steps on the device give the CPU's logits over the same quantized cache. NOTE: fails on the H200 as of
     2026-12-02 (gemma4-tiny 0.17, and with q8_0 V both models, 0.155 and 0.081, the prompt longer than the
-    16-token window only), where it passed at 2.4e-2 before; the same steps with the Triton kernels run by the
-    interpreter on the CPU give the CPU's logits within 1.5e-2 (gemma4-tiny) and 3e-5 (gpt-oss-tiny): open
+    16-token window only), where it passed at 2.4e-2 before; the same steps with the fused Triton kernels run by
+    the interpreter on the CPU give the CPU's logits within 1.5e-2 (gemma4-tiny) and 3e-5 (gpt-oss-tiny): open
     (docs/benchmarks.md, leases four to six)."""
     path = preset_gguf(model)
     prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
