@@ -104,11 +104,12 @@ def measure_shared_gbps(link_bank: ExpertWeights, cpu_bank: ExpertWeights, devic
     """(device, CPU) expert bytes a second with both reading host memory at once: the device streams
     `link_bank`'s experts while the CPU kernel computes `cpu_bank`'s, 8 of one token a call; the medians of
     `repeats` runs (one run's CPU figure moved by 4x on the H200 host)."""
-    runs = [_shared_gbps(link_bank, cpu_bank, device, num_threads, rounds) for _ in range(repeats)]
+    stream = _streamer(link_bank, device)
+    runs = [_shared_gbps(stream, link_bank, cpu_bank, num_threads, rounds) for _ in range(repeats)]
     return sorted(r[0] for r in runs)[repeats // 2], sorted(r[1] for r in runs)[repeats // 2]
 
 
-def _shared_gbps(link_bank: ExpertWeights, cpu_bank: ExpertWeights, device: torch.device, num_threads: int,
+def _shared_gbps(stream: Callable[[int], None], link_bank: ExpertWeights, cpu_bank: ExpertWeights, num_threads: int,
                  rounds: int) -> tuple[float, float]:
     k, n = min(8, link_bank.num_experts), cpu_bank.num_experts
     x, tokens = torch.randn(1, cpu_bank.hidden), torch.zeros(min(8, n), dtype=torch.int64)
@@ -123,7 +124,7 @@ def _shared_gbps(link_bank: ExpertWeights, cpu_bank: ExpertWeights, device: torc
             calls += 1
         moved.append(calls * min(8, n) * cpu_bank.expert_bytes / (time.perf_counter() - began) / 1e9)
 
-    link = _device_gbps(_streamer(link_bank, device), rounds, k * link_bank.expert_bytes, cpu_meanwhile)
+    link = _device_gbps(stream, rounds, k * link_bank.expert_bytes, cpu_meanwhile)
     return link, moved[0]
 
 
