@@ -32,88 +32,6 @@ MAX_PAIRS = 1024  # a decode step's pairs, in one program
 CHANGES_BLOCK = 256
 
 
-@triton.jit
-def _assign(
-    ids_ptr, weights_ptr, x_ptr, x_stride, num_pairs, top_k, hidden, row,
-    state, cur, host, staging, fill, scratch, pool_base, pool_stride, region_of, ring, head_of, tail_of, share_of,
-    lead_of,
-    num_experts, ring_capacity, record, pair_stride, field_stride,
-    job_x, job_ids, job_weights, job_on_cpu, job_tokens, bell_words, bell_state,
-    LANDING: tl.constexpr, JOB: tl.constexpr, BELL: tl.constexpr, DEDUP: tl.constexpr, W: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    p = tl.arange(0, W)
-    in_pairs = p < num_pairs
-    e = tl.load(ids_ptr + p, mask=in_pairs, other=-1).to(tl.int64)
-    valid = in_pairs & (e >= 0) & (e < num_experts)
-    safe = tl.where(valid, e, 0)
-    row64 = row + tl.zeros([], tl.int64)
-    experts_row = row64 * num_experts
-    is_first = valid  # one token: its experts are distinct
-    if DEDUP:  # the first pair of each expert decides for it
-        tl.store(scratch + experts_row + safe, num_pairs, mask=valid)
-        tl.debug_barrier()
-        tl.atomic_min(scratch + experts_row + safe, p, mask=valid)
-        tl.debug_barrier()
-        is_first = valid & (tl.load(scratch + experts_row + safe, mask=valid, other=-1) == p)
-    slot_now = tl.load(state + experts_row + safe, mask=valid, other=-1)
-    missed = is_first & (slot_now < 0)
-    rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
-    num_missed = tl.sum(missed.to(tl.int32), axis=0)
-    share, lead = tl.load(share_of + row), tl.load(lead_of + row)
-    num_streamed = tl.minimum(tl.floor(share * num_missed.to(tl.float32) + lead + 0.5).to(tl.int32), num_missed)
-    streamed = missed & (rank < num_streamed)
-    on_cpu = missed & (rank >= num_streamed)
-    lands = streamed & (rank < 0)  # none
-    slot = tl.full([W], -1, tl.int32)
-    if LANDING:
-        region = tl.load(region_of + row).to(tl.int64)
-        head = tl.load(head_of + region)
-        available = tl.maximum(tl.load(tail_of + region) - head, 0)
-        lands = streamed & (rank.to(tl.int64) < available)
-        position = (head + rank.to(tl.int64)) % ring_capacity
-        slot = tl.load(ring + region * ring_capacity + position, mask=lands, other=-1)
-        tl.store(head_of + region, head + tl.minimum(num_streamed.to(tl.int64), available))
-    outcome = tl.where(on_cpu, ON_CPU, tl.where(lands, LANDED, tl.where(streamed, STAGED, HIT)))
-    for part in tl.static_range(3):
-        base = tl.load(pool_base + row64 * 3 + part)
-        stride = tl.load(pool_stride + row64 * 3 + part)
-        entry = (row64 * 3 + part) * num_experts + safe
-        address = tl.where(lands, base + slot.to(tl.int64) * stride,
-                           tl.load(staging + entry, mask=streamed, other=0))
-        tl.store(cur + entry, tl.where(on_cpu, 0, address), mask=missed)
-    tl.store(fill + experts_row + safe, streamed.to(tl.int8), mask=is_first)
-    decided, landed_slot = outcome, slot
-    if DEDUP:  # every pair takes its expert's decision: (outcome + 1) | (slot + 1) << 3 through the scratch row
-        tl.debug_barrier()
-        tl.store(scratch + experts_row + safe, (outcome + 1) | ((slot + 1) << 3), mask=is_first)
-        tl.debug_barrier()
-        packed = tl.load(scratch + experts_row + safe, mask=valid, other=0)
-        decided, landed_slot = (packed & 7) - 1, (packed >> 3) - 1
-    pair_outcome = tl.where(valid, decided, PAD)
-    pair_slot = tl.where(valid, tl.where(decided == HIT, slot_now, landed_slot), -1)
-    at = record + p.to(tl.int64) * pair_stride
-    tl.store(at, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
-    tl.store(at + field_stride, pair_outcome.to(tl.int32), mask=in_pairs)
-    tl.store(at + 2 * field_stride, pair_slot.to(tl.int32), mask=in_pairs)
-    if JOB:
-        num_tokens = num_pairs // top_k
-        tl.store(job_tokens, num_tokens)
-        tl.store(job_ids + p, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
-        tl.store(job_weights + p, tl.load(weights_ptr + p, mask=in_pairs, other=0.0).to(tl.float32), mask=in_pairs)
-        tl.store(job_on_cpu + p, (pair_outcome == ON_CPU).to(tl.int32), mask=in_pairs)
-        has_cpu_pairs = tl.sum((in_pairs & (pair_outcome == ON_CPU)).to(tl.int32), axis=0) > 0
-        if has_cpu_pairs:
-            cols = tl.arange(0, BLOCK_H)
-            for t in range(0, num_tokens):
-                for start in range(0, hidden, BLOCK_H):
-                    c = start + cols
-                    v = tl.load(x_ptr + t * x_stride + c, mask=c < hidden, other=0.0).to(tl.float32)
-                    tl.store(job_x + t * hidden + c, v, mask=c < hidden)
-        if BELL:
-            ring_bell(bell_words, bell_state, row, has_cpu_pairs)
-
-
 @triton.jit(do_not_specialize=["x_stride", "num_pairs", "top_k", "hidden", "row", "pair_stride", "field_stride",
                             "prep_stride", "prep_sums_stride", "prep_blocks"])
 def _assign_kernel(
@@ -130,11 +48,76 @@ def _assign_kernel(
     # program 0 assigns; with PREPARE, programs 1.. prepare x for the expert kernels (one launch fewer a layer)
     pid = tl.program_id(0)
     if pid == 0:
-        _assign(ids_ptr, weights_ptr, x_ptr, x_stride, num_pairs, top_k, hidden, row,
-                state, cur, host, staging, fill, scratch, pool_base, pool_stride, region_of, ring, head_of, tail_of,
-                share_of, lead_of, num_experts, ring_capacity, record, pair_stride, field_stride,
-                job_x, job_ids, job_weights, job_on_cpu, job_tokens, bell_words, bell_state,
-                LANDING, JOB, BELL, DEDUP, W, BLOCK_H)
+        p = tl.arange(0, W)
+        in_pairs = p < num_pairs
+        e = tl.load(ids_ptr + p, mask=in_pairs, other=-1).to(tl.int64)
+        valid = in_pairs & (e >= 0) & (e < num_experts)
+        safe = tl.where(valid, e, 0)
+        row64 = row + tl.zeros([], tl.int64)
+        experts_row = row64 * num_experts
+        is_first = valid  # one token: its experts are distinct
+        if DEDUP:  # the first pair of each expert decides for it
+            tl.store(scratch + experts_row + safe, num_pairs, mask=valid)
+            tl.debug_barrier()
+            tl.atomic_min(scratch + experts_row + safe, p, mask=valid)
+            tl.debug_barrier()
+            is_first = valid & (tl.load(scratch + experts_row + safe, mask=valid, other=-1) == p)
+        slot_now = tl.load(state + experts_row + safe, mask=valid, other=-1)
+        missed = is_first & (slot_now < 0)
+        rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
+        num_missed = tl.sum(missed.to(tl.int32), axis=0)
+        share, lead = tl.load(share_of + row), tl.load(lead_of + row)
+        num_streamed = tl.minimum(tl.floor(share * num_missed.to(tl.float32) + lead + 0.5).to(tl.int32), num_missed)
+        streamed = missed & (rank < num_streamed)
+        on_cpu = missed & (rank >= num_streamed)
+        lands = streamed & (rank < 0)  # none
+        slot = tl.full([W], -1, tl.int32)
+        if LANDING:
+            region = tl.load(region_of + row).to(tl.int64)
+            head = tl.load(head_of + region)
+            available = tl.maximum(tl.load(tail_of + region) - head, 0)
+            lands = streamed & (rank.to(tl.int64) < available)
+            position = (head + rank.to(tl.int64)) % ring_capacity
+            slot = tl.load(ring + region * ring_capacity + position, mask=lands, other=-1)
+            tl.store(head_of + region, head + tl.minimum(num_streamed.to(tl.int64), available))
+        outcome = tl.where(on_cpu, ON_CPU, tl.where(lands, LANDED, tl.where(streamed, STAGED, HIT)))
+        for part in tl.static_range(3):
+            base = tl.load(pool_base + row64 * 3 + part)
+            stride = tl.load(pool_stride + row64 * 3 + part)
+            entry = (row64 * 3 + part) * num_experts + safe
+            address = tl.where(lands, base + slot.to(tl.int64) * stride,
+                               tl.load(staging + entry, mask=streamed, other=0))
+            tl.store(cur + entry, tl.where(on_cpu, 0, address), mask=missed)
+        tl.store(fill + experts_row + safe, streamed.to(tl.int8), mask=is_first)
+        decided, landed_slot = outcome, slot
+        if DEDUP:  # every pair takes its expert's decision: (outcome + 1) | (slot + 1) << 3 through the scratch row
+            tl.debug_barrier()
+            tl.store(scratch + experts_row + safe, (outcome + 1) | ((slot + 1) << 3), mask=is_first)
+            tl.debug_barrier()
+            packed = tl.load(scratch + experts_row + safe, mask=valid, other=0)
+            decided, landed_slot = (packed & 7) - 1, (packed >> 3) - 1
+        pair_outcome = tl.where(valid, decided, PAD)
+        pair_slot = tl.where(valid, tl.where(decided == HIT, slot_now, landed_slot), -1)
+        at = record + p.to(tl.int64) * pair_stride
+        tl.store(at, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
+        tl.store(at + field_stride, pair_outcome.to(tl.int32), mask=in_pairs)
+        tl.store(at + 2 * field_stride, pair_slot.to(tl.int32), mask=in_pairs)
+        if JOB:
+            num_tokens = num_pairs // top_k
+            tl.store(job_tokens, num_tokens)
+            tl.store(job_ids + p, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
+            tl.store(job_weights + p, tl.load(weights_ptr + p, mask=in_pairs, other=0.0).to(tl.float32), mask=in_pairs)
+            tl.store(job_on_cpu + p, (pair_outcome == ON_CPU).to(tl.int32), mask=in_pairs)
+            has_cpu_pairs = tl.sum((in_pairs & (pair_outcome == ON_CPU)).to(tl.int32), axis=0) > 0
+            if has_cpu_pairs:
+                cols = tl.arange(0, BLOCK_H)
+                for t in range(0, num_tokens):
+                    for start in range(0, hidden, BLOCK_H):
+                        c = start + cols
+                        v = tl.load(x_ptr + t * x_stride + c, mask=c < hidden, other=0.0).to(tl.float32)
+                        tl.store(job_x + t * hidden + c, v, mask=c < hidden)
+            if BELL:
+                ring_bell(bell_words, bell_state, row, has_cpu_pairs)
     elif PREPARE:
         block = pid - 1
         prepare_block(x_ptr, x_stride, prep_x, prep_stride, prep_sums, prep_sums_stride, hidden,
@@ -164,7 +147,7 @@ def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x:
     j = job if job is not None else CpuJob(*(record,) * 6)  # unused pointers when there is no job
     bell = j.bell if j.bell is not None else Bell(record, record)
     prep = Prepared.empty(x, prepare) if prepare is not None else None
-    p = prep or Prepared(record, record, None, -1, 16)  # unused when nothing is prepared
+    p = prep or Prepared(record, record, None)  # unused when nothing is prepared
     _assign_kernel[(1 + (tokens * p.blocks if prep is not None else 0),)](
         expert_ids, weights, x, x.stride(0), num_pairs, top_k, x.shape[1], row,
         tables.state, tables.cur, tables.host, tables.staging, tables.fill, tables.scratch, tables.pool_base,
@@ -174,7 +157,7 @@ def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x:
         p.x, p.x.stride(0), p.sums, p.sums.stride(0), p.blocks,
         LANDING=bool(landing), JOB=job is not None, BELL=j.bell is not None, DEDUP=tokens > 1,
         W=triton.next_power_of_2(num_pairs), BLOCK_H=1024, PREPARE=prep is not None, PREP_FMT=p.fmt,
-        PREP_BLOCK=p.block, GROUP=GROUP, num_warps=4,
+        PREP_BLOCK=p.block if prep is not None else GROUP, GROUP=GROUP, num_warps=4,
     )
     return prep
 

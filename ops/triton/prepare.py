@@ -39,14 +39,12 @@ def _prepare_kernel(x, x_stride, out, out_stride, sums, sums_stride, cols,
 @dataclass(frozen=True)
 class Prepared:
     """x prepared for one expert format (`launch_prepare`): `x` float32 `[rows, cols]` in the kernel's read order
-    and scale, `sums` float32 `[rows, cols // 16]`; `fmt` the format code (-1: natural order) and `block` the
-    columns a program prepares, for kernels that prepare x beside their own work (`ops.triton.cache_step`)."""
+    and scale of `qtype`, `sums` float32 `[rows, cols // 16]`. Kernels that prepare x beside their own work
+    (`ops.triton.cache_step`) launch `blocks` programs a row of `block` columns each, in format code `fmt`."""
 
     x: torch.Tensor
     sums: torch.Tensor
     qtype: QType | None
-    fmt: int
-    block: int
 
     @classmethod
     def empty(cls, x: torch.Tensor, qtype: QType | None) -> Prepared:
@@ -54,10 +52,18 @@ class Prepared:
         check_rows("x", x, (rows, cols), FLOAT_DTYPES, x.device)
         if cols % GROUP:
             raise ValueError(f"columns must be a multiple of {GROUP}, got {cols}")
-        fmt = int(qtype) if qtype is not None and has_kernel(qtype) else -1
         return cls(torch.empty((rows, cols), dtype=torch.float32, device=x.device),
-                   torch.empty((rows, cols // GROUP), dtype=torch.float32, device=x.device), qtype, fmt,
-                   min(1024, triton.next_power_of_2(cols)))
+                   torch.empty((rows, cols // GROUP), dtype=torch.float32, device=x.device), qtype)
+
+    @property
+    def fmt(self) -> int:
+        """The format code the kernels read (-1: natural order, factor 1)."""
+        return int(self.qtype) if self.qtype is not None and has_kernel(self.qtype) else -1
+
+    @property
+    def block(self) -> int:
+        """Columns a program prepares."""
+        return min(1024, triton.next_power_of_2(self.x.shape[1]))
 
     @property
     def blocks(self) -> int:

@@ -154,7 +154,7 @@ def check_prepared_x(case: Case, device: torch.device, seed: int) -> None:
     tables = tables_from_bank(device_bank, device)
     qtype = gate_format(tables)
     assert qtype == case.types[0]
-    prepared = Prepared(*launch_prepare(x, qtype), qtype, -1, 0)
+    prepared = Prepared(*launch_prepare(x, qtype), qtype)
     alone = grouped_expert_ffn(x, token_ids, expert_ids, weights, tables)
     assert torch.equal(grouped_expert_ffn(x, token_ids, expert_ids, weights, tables, prepared=prepared), alone)
     other = QType.Q8_0 if qtype != QType.Q8_0 else QType.Q4_K
