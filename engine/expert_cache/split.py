@@ -1,20 +1,20 @@
 """How `hybrid` mode splits a layer's missed experts between the device (copying them from pinned host
-memory, `ops.triton.stage`) and the CPU, so both finish at about the same time. With n missed experts of
-B bytes, the device streams s of them in s B / link; the CPU computes the rest in c + (n - s) B / cpu,
-where c is the fixed cost of the layer's CPU task (its start and join, as the device waits for them).
-Equal times give s = share n + lead, share = link / (link + CPU) and lead = c / (B / link + B / CPU): the
-device streams the first `share x n + lead` of a layer's missed experts, in pair order (`ops.cache_step`),
-so a layer with few misses streams them all.
+memory, `ops.triton.stage`) and the CPU: the device streams the first `round(share x n + lead)` of a layer's n
+missed experts, in pair order (`ops.cache_step`), the CPU computes the rest.
 
-Both paths read the same host memory. Where it cannot feed both at their own rates (measured at start with
-both reading at once: on the H200 host, link 42 + CPU 55 GB/s alone, 30 + 26 at once), each runs slower while
-the other does, so a split pays only where it moves enough bytes: the layer streams every miss below
-n0 = c CPU' / (B (both / link - 1)) misses (`both` the two at once, CPU' the CPU's part of it), and streams
-everything when both at once read no faster than the link alone. The engine re-measures the CPU as it runs
-(`CpuTasks.work`)."""
+(share, lead) is fit to a model of a layer's time (`layer_seconds`): s streamed experts of B bytes take s B / link,
+the CPU's take c + (n - s) B / cpu (c: the fixed cost of the layer's CPU task, as the device waits for it), and a
+layer with both at work waits for the slower. Both paths read the same host memory; where it cannot feed both at
+their own rates (on the H200 host: link 42 + CPU 55 GB/s alone, 30 + 26 at once), each runs at its measured
+at-once rate while the other works. An expert the CPU computes does not land, so it also costs the later misses
+it causes (`later_misses_of`). `best_split` picks the (share, lead) whose rule gives layers of 1..top-k misses the
+least time in all: a layer with few misses streams them all, and where the CPU's work does not pay (host memory
+that feeds both no faster than the link alone, or a large cache) every miss is streamed. The engine re-measures
+the CPU as it runs (`CpuTasks.work`)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -111,37 +111,39 @@ def measure_shared_gbps(link_bank: ExpertWeights, cpu_bank: ExpertWeights, devic
 
 def _shared_gbps(stream: Callable[[int], None], link_bank: ExpertWeights, cpu_bank: ExpertWeights, num_threads: int,
                  rounds: int) -> tuple[float, float]:
-    k, n = min(8, link_bank.num_experts), cpu_bank.num_experts
-    x, tokens = torch.randn(1, cpu_bank.hidden), torch.zeros(min(8, n), dtype=torch.int64)
-    weights = torch.full((min(8, n),), 1.0)
+    compute, cpu_round_bytes = _cpu_caller(cpu_bank, num_threads)
     moved: list[float] = []
 
     def cpu_meanwhile(end: torch.cuda.Event) -> None:
         calls, began = 0, time.perf_counter()
         while not end.query() or calls == 0:
-            experts = (torch.arange(min(8, n)) + calls * 8) % n
-            expert_ffn_cpu(x, tokens, experts, weights, cpu_bank, num_threads=num_threads)
+            compute(calls)
             calls += 1
-        moved.append(calls * min(8, n) * cpu_bank.expert_bytes / (time.perf_counter() - began) / 1e9)
+        moved.append(calls * cpu_round_bytes / (time.perf_counter() - began) / 1e9)
 
-    link = _device_gbps(stream, rounds, k * link_bank.expert_bytes, cpu_meanwhile)
+    link = _device_gbps(stream, rounds, min(8, link_bank.num_experts) * link_bank.expert_bytes, cpu_meanwhile)
     return link, moved[0]
 
 
-def measure_cpu_gbps(bank: ExpertWeights, num_experts: int = 8, num_threads: int | None = None) -> float:
-    """The CPU expert kernel on `num_experts` of the bank's experts a call, one token, cycling through the bank
-    (so they come from memory): expert bytes per second."""
+def _cpu_caller(bank: ExpertWeights, num_threads: int | None,
+                num_experts: int = 8) -> tuple[Callable[[int], None], int]:
+    """(`compute(r)`, its bytes): the CPU expert kernel on round r's `num_experts` experts of one token, cycling
+    through the bank (so they come from memory)."""
     n, k = bank.num_experts, min(num_experts, bank.num_experts)
     x = torch.randn(1, bank.hidden)
     tokens, weights = torch.zeros(k, dtype=torch.int64), torch.full((k,), 1.0 / k)
-    calls = [0]
 
-    def run() -> None:
-        experts = (torch.arange(k) + calls[0] * k) % n
-        expert_ffn_cpu(x, tokens, experts, weights, bank, num_threads=num_threads)
-        calls[0] += 1
+    def compute(r: int) -> None:
+        expert_ffn_cpu(x, tokens, (torch.arange(k) + r * k) % n, weights, bank, num_threads=num_threads)
 
-    return k * bank.expert_bytes / _seconds(run, repeats=9) / 1e9
+    return compute, k * bank.expert_bytes
+
+
+def measure_cpu_gbps(bank: ExpertWeights, num_experts: int = 8, num_threads: int | None = None) -> float:
+    """The CPU expert kernel's expert bytes a second, alone (`_cpu_caller`)."""
+    compute, round_bytes = _cpu_caller(bank, num_threads, num_experts)
+    rounds = itertools.count()
+    return round_bytes / _seconds(lambda: compute(next(rounds)), repeats=9) / 1e9
 
 
 def cpu_task_costs(tasks: CpuTasks, layer: int, top_k: int) -> tuple[float, float]:
