@@ -196,14 +196,18 @@ class CachePolicy(ABC):
         return decision
 
     def warm_start(self, profile: Profile) -> list[Promotion]:
-        """Upload each ring's most used experts of `profile` into its free slots."""
+        """Upload each ring's best experts of `profile` (`_warm_order`) into its free slots."""
         self.check_profile(profile)
         promotions: list[Promotion] = []
         for ring in self.rings:
             free = [s for s in ring.slots if self.owner[s] < 0]
-            wanted = [x for x in profile.top(ring.layers, len(ring.slots)) if self.slot_of(*x) is None]
+            wanted = [x for x in self._warm_order(ring, profile) if self.slot_of(*x) is None]
             promotions += [self._place(s, x) for s, x in zip(free, wanted, strict=False)]
         return promotions
+
+    def _warm_order(self, ring: Ring, profile: Profile) -> list[Expert]:
+        """The ring's experts a warm start takes, best first: the profile's most used."""
+        return profile.top(ring.layers, len(ring.slots))
 
     def check_profile(self, profile: Profile) -> None:
         """Raises ValueError if `profile` names experts this group does not have."""
@@ -481,16 +485,16 @@ class ScoredPolicy(CachePolicy):
                 self.scores[self.row[layer]] = 0.0
                 for expert, n in counts.items():
                     self.scores[self.row[layer], expert] = n / num_tokens * self._seed_scale()
-        scores, num_experts, promotions = self.scores.reshape(-1), self.group.num_experts, []
-        for ring in self.rings:
-            rows = np.array([self.row[layer] for layer in ring.layers], dtype=np.int64)
-            keys = (rows[:, None] * num_experts + np.arange(num_experts)).reshape(-1)
-            keys = keys[(scores[keys] > 0) & (self.slot.reshape(-1)[keys] < 0)]
-            keys = keys[np.lexsort((keys, -scores[keys]))]
-            free = [s for s in ring.slots if self.owner[s] < 0]
-            wanted = [(self.group.layers[k // num_experts], k % num_experts) for k in keys.tolist()]
-            promotions += [self._place(s, x) for s, x in zip(free, wanted, strict=False)]
-        return promotions
+        return super().warm_start(profile)
+
+    def _warm_order(self, ring: Ring, profile: Profile) -> list[Expert]:
+        """By seeded score: uses per token, whatever the tokens each layer's profile counts."""
+        scores, num_experts = self.scores.reshape(-1), self.group.num_experts
+        rows = np.array([self.row[layer] for layer in ring.layers], dtype=np.int64)
+        keys = (rows[:, None] * num_experts + np.arange(num_experts)).reshape(-1)
+        keys = keys[scores[keys] > 0]
+        keys = keys[np.lexsort((keys, -scores[keys]))]
+        return [(self.group.layers[k // num_experts], k % num_experts) for k in keys.tolist()]
 
 
 class DecayPolicy(ScoredPolicy):
