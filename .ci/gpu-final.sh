@@ -4,10 +4,10 @@
 #   1: llama.cpp's CUDA build in the background and the model written meanwhile; every gpu test of tests/ops and
 #      tests/engine (ten pytest workers: 385 tests in 289 s during the build);
 #   2: every core free: resident and cached (lru, stream) at batch 1 after a 400-token warm-up (25/50/100%);
-#      llama.cpp's rows on the same file (the build, slowed by the tests, ends during call 1 or early in call 2);
-#      stream and hybrid at 25% (lru, decay), 8 sequences at 50% and llama.cpp's 8 sequences;
-#   3: small budgets against no cache (every policy), hybrid at 50%, the three miss modes with no cache, host memory
-#      shared by link and CPU (.ci/gpu-host-share.py), the miss modes on a 16 GB/s link;
+#      llama.cpp's rows on the same file (resident, -ncmoe 24); stream and hybrid at 25% (decay), 8 sequences at
+#      50% and llama.cpp's 8 sequences; small budgets against no cache (every policy);
+#   3: the CPU-computed misses: llama.cpp's -ncmoe 48 row, hybrid at 50%, the three miss modes with no cache, host
+#      memory shared by link and CPU (.ci/gpu-host-share.py), the miss modes on a 16 GB/s link;
 #   4: the step profile (.ci/gpu-step-profile.py), the doorbell's round trip and a streamed miss's cost
 #      (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over quantized KV caches, captured
 #      and eager (.ci/gpu-qkv-probe.py), where the lease has time left.
@@ -39,17 +39,18 @@ case "$1" in
 2)
   BUDGET_S=145 HEADLINE_S=140 HEADLINE_FRACS=0.25,0.5,1 HEADLINE_BATCHES=1 \
     HEADLINE_EXTRA="--cache-profile $PROFILE --warmup-gen-len 400" bash .ci/gpu-check headline
-  BUDGET_S=150 LLAMA_S=145 LLAMA_ROWS="resident cpu half" bash .ci/gpu-check llamabench
-  BUDGET_S=100 CACHED_S=95 CACHED_NAME=modes25 CACHED_FRACS=0.25 CACHED_POLICIES=lru,decay CACHED_MODES=stream,hybrid \
+  BUDGET_S=115 LLAMA_S=110 LLAMA_ROWS="resident half" bash .ci/gpu-check llamabench
+  BUDGET_S=60 CACHED_S=55 CACHED_NAME=modes25 CACHED_FRACS=0.25 CACHED_POLICIES=decay CACHED_MODES=stream,hybrid \
     CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   BUDGET_S=60 BATCH8_S=55 bash .ci/gpu-check batch8
   echo "== llama-batched-bench -npl 8 -ngl 99 -ncmoe 24" | tee -a "$LOGS/llamacpp.log"
   timeout 60 /tmp/llamacpp/llama.cpp/build/bin/llama-batched-bench -m /tmp/qwen3moe-30b-a3b.gguf -fa on \
     -t "$(nproc)" -c 8192 -b 2048 -ub 512 -npp 128 -ntg 64 -npl 8 -ngl 99 -ncmoe 24 2>&1 | grep -E "^\||error" \
     | tee -a "$LOGS/llamacpp.log"
+  BUDGET_S=135 SMALL_S=130 bash .ci/gpu-check small
   ;;
 3)
-  BUDGET_S=135 SMALL_S=130 bash .ci/gpu-check small
+  BUDGET_S=75 LLAMA_S=70 LLAMA_ROWS="cpu" bash .ci/gpu-check llamabench
   BUDGET_S=60 CACHED_S=55 CACHED_NAME=hybrid50 CACHED_FRACS=0.5 CACHED_POLICIES=lru CACHED_MODES=hybrid \
     CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   BUDGET_S=55 CACHED_S=50 CACHED_NAME=modes0 CACHED_FRACS=0 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \

@@ -34,3 +34,6 @@ for name in sys.argv[1:]:
             print(f"{name} K {k_type} V {v_type} {'captured' if run[1] else 'eager'}: worst relative error a step "
                   f"{worst[0]:.2e} (prompt of {len(PROMPTS[0])}), {worst[1]:.2e} (prompt of {len(PROMPTS[1])})",
                   flush=True)
+            for p in range(len(PROMPTS)):
+                steps = [rel_error(d[p:p + 1], c[p:p + 1]) for d, c in zip(logits[run], logits[RUNS[0]])]
+                print(f"   prompt of {len(PROMPTS[p])}, each step: " + " ".join(f"{e:.1e}" for e in steps), flush=True)

@@ -143,18 +143,20 @@ def profile_config(engine: LLMEngine, name: str, spec: str, args: argparse.Names
     seconds = decode(engine, args.batch, args.steps)
     snap_before, work_before = engine.cache.snapshot(), engine.cache.cpu_work()
     host = cProfile.Profile()
-    start(engine, args.batch, args.steps)
-    host.enable()
-    began = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    sync(engine)
-    host_seconds = (time.perf_counter() - began) / args.steps
-    host.disable()
+    host_seconds = math.nan
+    if not args.launch_only:
+        start(engine, args.batch, args.steps)
+        host.enable()
+        began = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        sync(engine)
+        host_seconds = (time.perf_counter() - began) / args.steps
+        host.disable()
     snap = engine.cache.snapshot()
     hits, misses = snap.hits() - snap_before.hits(), snap.misses() - snap_before.misses()
     kernels: list[Kernel] = []
-    if engine.device.type == "cuda":
+    if engine.device.type == "cuda" and not args.launch_only:
         start(engine, args.batch, args.steps)
         sync(engine)
         activities = [torch.profiler.ProfilerActivity.CUDA]
@@ -163,7 +165,8 @@ def profile_config(engine: LLMEngine, name: str, spec: str, args: argparse.Names
                 engine.step()
             sync(engine)
         kernels = kernels_of(prof)
-    launch = graph_launch_us(engine)
+    launch = "\n".join([graph_launch_us(engine), launch_on_busy_device(engine), graph_census(engine),
+                         busy_threads(engine, args.batch, args.steps), host_phases(engine, args.batch, args.steps)])
     replays = replay_timeline(engine, args.batch, args.steps)
     hit = hits / (hits + misses) if hits + misses else float("nan")
     print(f"== {name} [{spec}]: {seconds * 1e3:.3f} ms a step ({args.batch / seconds:.1f} tok/s), hit {hit:.1%}; "
@@ -175,7 +178,8 @@ def profile_config(engine: LLMEngine, name: str, spec: str, args: argparse.Names
               f"{split.cpu_gbps:.1f} GB/s, fixed {split.fixed_seconds * 1e6:.1f} us); CPU {experts / args.steps:.1f} "
               f"experts a step, {busy / args.steps * 1e3:.3f} ms of work ({busy / max(experts, 1) * 1e6:.1f} us an "
               f"expert); link busy {split.link.busy:.2f}", flush=True)
-    print("\n".join(timeline_report(kernels, args.steps) + [launch, replays] + host_report(host, args.steps)),
+    host_lines = [] if args.launch_only else host_report(host, args.steps)
+    print("\n".join(timeline_report(kernels, args.steps) + [launch, replays] + host_lines),
           flush=True)
 
 
@@ -212,6 +216,121 @@ def replay_timeline(engine: LLMEngine, batch: int, steps: int) -> str:
             f"graph's end {device:.3f} ms (device), {len(calls)} launches")
 
 
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty", 6: "event wait",
+              7: "event record", 8: "semaphore signal", 9: "semaphore wait", 10: "alloc", 11: "free",
+              12: "memory op", 13: "conditional"}
+
+
+def graph_census(engine: LLMEngine) -> str:
+    """The smallest captured graph's nodes by type and its edges (CUDA driver API; graphs kept, see `--census`):
+    a graph of kernels alone in one chain launches on the driver's fast path."""
+    import ctypes
+    from collections import Counter
+
+    graph = engine.runner.graphs[min(engine.runner.graphs)].graph if engine.runner.graphs else None
+    if graph is None or not getattr(graph, "_kept", False):
+        return "   (no kept graph: run with --census)"
+    cuda = ctypes.CDLL("libcuda.so.1")
+    raw, count = ctypes.c_void_p(graph.raw_cuda_graph()), ctypes.c_size_t(0)
+    cuda.cuGraphGetNodes(raw, None, ctypes.byref(count))
+    nodes = (ctypes.c_void_p * count.value)()
+    cuda.cuGraphGetNodes(raw, nodes, ctypes.byref(count))
+    kinds: Counter[str] = Counter()
+    for node in nodes:
+        kind = ctypes.c_int()
+        cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        kinds[NODE_TYPES.get(kind.value, str(kind.value))] += 1
+    edges = ctypes.c_size_t(0)
+    cuda.cuGraphGetEdges(raw, None, None, ctypes.byref(edges))
+    return f"   graph nodes: {dict(kinds)}, {edges.value} edges ({count.value - 1} in one chain)"
+
+
+def host_phases(engine: LLMEngine, batch: int, steps: int) -> str:
+    """The host's time in each phase of a decode step (medians of the loop's steps, wall time): what runs while
+    the device computes (after the launch: uploads, the last record's processing, the router's work ahead) and
+    what the device waits for (sampling's wait is the device's time left; the rest is the host's critical path)."""
+    import engine.llm_engine as llm
+
+    phases = {"schedule": (engine.scheduler, "schedule"), "router begin": (engine.model.router, "begin_step"),
+              "prepare_step": (engine.cache, "prepare_step"), "launch": (engine.runner, "forward"),
+              "uploads": (engine.cache, "launched"), "process": (engine.cache, "process"),
+              "router ahead": (engine.model.router, "while_running"), "sample (waits)": (llm, "sample"),
+              "step_done": (engine.cache, "step_done"), "update": (engine, "update")}
+    spent: dict[str, float] = {}
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in phases.items()}
+
+    def timed(name: str, fn):  # type: ignore[no-untyped-def]
+        def run(*a, **k):  # type: ignore[no-untyped-def]
+            began = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
+        return run
+
+    start(engine, batch, steps)
+    sync(engine)
+    per_step: list[dict[str, float]] = []
+    for name, (owner, attr) in phases.items():
+        setattr(owner, attr, timed(name, originals[name]))
+    try:
+        while engine.has_unfinished():
+            spent.clear()
+            began = time.perf_counter()
+            engine.step()
+            per_step.append({**spent, "step": time.perf_counter() - began})
+    finally:
+        for name, (owner, attr) in phases.items():
+            setattr(owner, attr, originals[name])
+    sync(engine)
+    middle = lambda key: sorted(s.get(key, 0.0) for s in per_step)[len(per_step) // 2] * 1e6  # noqa: E731
+    return "   host phases (us, medians): " + ", ".join(f"{name} {middle(name):.0f}" for name in [*phases, "step"])
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, by name and id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            name = open(f"/proc/self/task/{task}/comm").read().strip()
+            fields = open(f"/proc/self/task/{task}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[f"{name}/{task}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def busy_threads(engine: LLMEngine, batch: int, steps: int) -> str:
+    """The threads that ran in the decode loop, with their share of its wall time (a spinning thread shows ~100%)."""
+    start(engine, batch, steps)
+    sync(engine)
+    before, began = thread_cpu(), time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    sync(engine)
+    wall, after = time.perf_counter() - began, thread_cpu()
+    rows = sorted(((after[t] - before.get(t, 0.0)) / wall, t) for t in after)
+    shown = ", ".join(f"{t} {share:.0%}" for share, t in reversed(rows) if share >= 0.03)
+    return f"   threads in the loop ({len(after)} in all): {shown or 'none above 3%'}"
+
+
+def launch_on_busy_device(engine: LLMEngine) -> str:
+    """Host time of a replay call issued while the device still runs earlier work (a 2 ms spin), against idle."""
+    if not engine.runner.graphs:
+        return "   (no captured graph)"
+    graph = engine.runner.graphs[min(engine.runner.graphs)].graph
+    busy = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000)  # about 2 ms at H200 clocks
+        began = time.perf_counter()
+        graph.replay()
+        busy.append(time.perf_counter() - began)
+    torch.cuda.synchronize()
+    return f"   graph replay behind 2 ms of device work: {sorted(busy)[5] * 1e6:.0f} us in the launch call"
+
+
 def graph_launch_us(engine: LLMEngine) -> str:
     """Host time of one replay call of the smallest captured graph, and the graph alone on the device."""
     if not engine.runner.graphs:
@@ -236,7 +355,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=400)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--config", action="append", default=[], help="NAME=SPEC (see the module docstring)")
+    parser.add_argument("--census", action="store_true",
+                        help="keep each captured graph's cudaGraph_t to count its nodes by type")
+    parser.add_argument("--launch-only", action="store_true", help="no cProfile and no device timeline")
     args = parser.parse_args()
+    if args.census:
+        class KeptGraph(torch.cuda.CUDAGraph):  # instantiated at its first replay, its graph kept
+            _kept = True
+
+            def __new__(cls, keep_graph: bool = True) -> KeptGraph:
+                return super().__new__(cls, True)
+
+            def __init__(self, keep_graph: bool = True) -> None:
+                super().__init__(True)
+
+        torch.cuda.CUDAGraph = KeptGraph  # type: ignore[misc]
     configs = dict(c.split("=", 1) for c in args.config) if args.config else DEFAULT_CONFIGS
     routing = os.environ.get("ROUTING", "synthetic:qwen3")
     engine = load_engine(EngineConfig(

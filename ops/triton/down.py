@@ -8,7 +8,7 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vector
 from ops.triton.gate_up import warps_for
-from ops.triton.pairs import chunk_of, group_of, pair_is_valid, slots, window_for
+from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_for
 from ops.triton.qdot import GROUP, MAGIC, has_kernel, rows_dot
 from ops.triton.stage import COPY_BLOCK, Fill, fill_rows
 from ops.triton.tables import ExpertTables
@@ -34,15 +34,16 @@ def _down_kernel(
     rmask = rows < hidden
     safe_rows = tl.minimum(rows, hidden - 1)  # loads stay inside the expert; stores are masked
     expert = tl.load(expert_ids + pid)
-    is_valid = pair_is_valid(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
+    is_valid, safe, _gate, _up, down_addr = expert_pointers(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
+    filling = False
+    if FILL:
+        filling = tl.load(fill_flags + safe) != 0  # in flight with the pointers
     positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
     if FILL:
-        if count > 0:  # the leader of a streamed miss first copies the rows it computes
+        if filling & (count > 0):  # the leader of a streamed miss first copies the rows it computes
             row0 = tl.program_id(1) * BR
-            fill_rows(fill_flags, host_down_ptrs, down_ptrs, tl.where(is_valid, expert, 0), row0,
-                      tl.minimum(hidden - row0, BR), down_row_bytes, COPY)
+            fill_rows(host_down_ptrs, down_addr, safe, row0, tl.minimum(hidden - row0, BR), down_row_bytes, COPY)
             tl.debug_barrier()  # NOTE: the rows are in VRAM before any thread of the program reads them
-    down_addr = tl.load(down_ptrs + tl.where(is_valid, expert, 0))
     # a skipped pair's row is 0, so that every row of y is written and the per-token sum needs no
     # table lookups
     skipped = y + pid.to(tl.int64) * y_stride + rows

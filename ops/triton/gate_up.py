@@ -7,7 +7,7 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.triton.checks import INDEX_DTYPES, check_rows, check_vector
-from ops.triton.pairs import chunk_of, group_of, pair_is_valid, slots, window_for
+from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_for
 from ops.triton.qdot import GROUP, MAGIC, has_kernel, read_place, rows_dot
 from ops.triton.stage import COPY_BLOCK, Fill, fill_rows2
 from ops.triton.tables import ExpertTables
@@ -41,17 +41,17 @@ def _gate_up_kernel(
     rmask = rows < ff
     safe_rows = tl.minimum(rows, ff - 1)  # loads stay inside the expert; stores are masked
     expert = tl.load(expert_ids + pid)
-    is_valid = pair_is_valid(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
-    positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
-    safe = tl.where(is_valid, expert, 0)
+    is_valid, safe, gate_addr, up_addr, _down = expert_pointers(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
+    filling = False
     if FILL:
-        if count > 0:  # the leader of a streamed miss first copies the rows it computes
+        filling = tl.load(fill_flags + safe) != 0  # in flight with the pointers
+    positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
+    if FILL:
+        if filling & (count > 0):  # the leader of a streamed miss first copies the rows it computes
             row0 = tl.program_id(1) * BR
-            fill_rows2(fill_flags, host_gate_ptrs, gate_ptrs, host_up_ptrs, up_ptrs, safe, row0,
-                       tl.minimum(ff - row0, BR), gate_row_bytes, up_row_bytes, COPY)
+            fill_rows2(host_gate_ptrs, gate_addr, host_up_ptrs, up_addr, safe, row0, tl.minimum(ff - row0, BR),
+                       gate_row_bytes, up_row_bytes, COPY)
             tl.debug_barrier()  # NOTE: the rows are in VRAM before any thread of the program reads them
-    gate_addr = tl.load(gate_ptrs + safe)
-    up_addr = tl.load(up_ptrs + safe)
     for start in range(0, count, BT):
         position, has = chunk_of(positions, is_member, rank, start, BT)
         token = tl.load(token_ids + position, mask=has, other=0)

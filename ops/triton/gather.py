@@ -7,7 +7,7 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.triton.checks import INDEX_DTYPES, check_rows, check_vector
-from ops.triton.pairs import pair_is_valid
+from ops.triton.pairs import expert_pointers
 from ops.triton.tables import ExpertTables
 
 
@@ -22,8 +22,8 @@ def _gather_kernel(
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_bytes = offsets < num_bytes
     expert = tl.load(expert_ids + pair, mask=pair < num_pairs, other=-1)
-    is_valid = pair_is_valid(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
-    addr = tl.load(ptrs + tl.where(is_valid, expert, 0))
+    is_valid, safe, _, _, _ = expert_pointers(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
+    addr = tl.load(ptrs + safe)
     src = tl.max_contiguous(tl.multiple_of(addr.to(tl.pointer_type(tl.uint8)) + offsets, 16), 16)
     data = tl.load(src, mask=offsets < tl.where(is_valid, num_bytes, 0), other=0)
     tl.store(out + tl.program_id(0).to(tl.int64) * out_stride + offsets, data, mask=in_bytes)

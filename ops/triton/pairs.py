@@ -21,14 +21,16 @@ def window_for(num_pairs: int) -> int:
 
 
 @triton.jit
-def pair_is_valid(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs):
-    """Expert ids (any shape) -> whether the pair is computed."""
+def expert_pointers(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs):
+    """Expert ids (any shape) -> (whether the pair is computed, the id safe to index with (0 where out of range),
+    its gate, up and down addresses (0 where out of range)). NOTE: a kernel keeps the addresses it loaded here:
+    loading them again after a branch or a barrier would put another memory round trip before its weights."""
     in_range = (expert >= 0) & (expert < num_experts)
     safe = tl.where(in_range, expert, 0)
     gate = tl.load(gate_ptrs + safe, mask=in_range, other=0)
     up = tl.load(up_ptrs + safe, mask=in_range, other=0)
     down = tl.load(down_ptrs + safe, mask=in_range, other=0)
-    return in_range & (gate > 0) & (up > 0) & (down > 0)
+    return in_range & (gate > 0) & (up > 0) & (down > 0), safe, gate, up, down
 
 
 @triton.jit

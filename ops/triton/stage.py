@@ -24,7 +24,7 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.triton.checks import INDEX_DTYPES, check_vector
-from ops.triton.pairs import pair_is_valid, window_for
+from ops.triton.pairs import expert_pointers, window_for
 from ops.triton.tables import ExpertTables
 
 COPY_BLOCK = 4096  # bytes a program has in flight per iteration: 16-byte loads, 2 per thread of 4 warps
@@ -64,32 +64,29 @@ def copy_span(src, dst, num_bytes, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def fill_rows(flags, src_ptrs, dst_ptrs, expert, row0, num_rows, row_bytes, BLOCK: tl.constexpr):
-    """Rows row0 .. row0 + num_rows - 1 of `expert`'s matrix from its host address to its table address,
-    if its fill flag is set. Called by the one program that computes those rows, before it reads them."""
-    if tl.load(flags + expert) != 0:
-        offset = row0.to(tl.int64) * row_bytes
-        copy_span(tl.load(src_ptrs + expert) + offset, tl.load(dst_ptrs + expert) + offset,
-                  num_rows * row_bytes, BLOCK)
+def fill_rows(src_ptrs, dst, expert, row0, num_rows, row_bytes, BLOCK: tl.constexpr):
+    """Rows row0 .. row0 + num_rows - 1 of `expert`'s matrix from its host address to `dst`, its table
+    address. Called, where the expert's fill flag is set, by the one program that computes those rows, before
+    it reads them."""
+    offset = row0.to(tl.int64) * row_bytes
+    copy_span(tl.load(src_ptrs + expert) + offset, dst + offset, num_rows * row_bytes, BLOCK)
 
 
 @triton.jit
-def fill_rows2(flags, src_a, dst_a, src_b, dst_b, expert, row0, num_rows, row_bytes_a, row_bytes_b,
-               BLOCK: tl.constexpr):
+def fill_rows2(src_a, dst_a, src_b, dst_b, expert, row0, num_rows, row_bytes_a, row_bytes_b, BLOCK: tl.constexpr):
     """`fill_rows` of two matrices of the expert (gate and up), their loads in flight together."""
-    if tl.load(flags + expert) != 0:
-        offsets = tl.arange(0, BLOCK)
-        size_a, size_b = num_rows * row_bytes_a, num_rows * row_bytes_b
-        sa = _bytes_at(tl.load(src_a + expert) + row0.to(tl.int64) * row_bytes_a)
-        da = _bytes_at(tl.load(dst_a + expert) + row0.to(tl.int64) * row_bytes_a)
-        sb = _bytes_at(tl.load(src_b + expert) + row0.to(tl.int64) * row_bytes_b)
-        db = _bytes_at(tl.load(dst_b + expert) + row0.to(tl.int64) * row_bytes_b)
-        for start in range(0, tl.maximum(size_a, size_b), BLOCK):
-            o = start + offsets
-            a = tl.load(sa + o, mask=o < size_a, other=0)
-            b = tl.load(sb + o, mask=o < size_b, other=0)
-            tl.store(da + o, a, mask=o < size_a)
-            tl.store(db + o, b, mask=o < size_b)
+    offsets = tl.arange(0, BLOCK)
+    size_a, size_b = num_rows * row_bytes_a, num_rows * row_bytes_b
+    sa = _bytes_at(tl.load(src_a + expert) + row0.to(tl.int64) * row_bytes_a)
+    da = _bytes_at(dst_a + row0.to(tl.int64) * row_bytes_a)
+    sb = _bytes_at(tl.load(src_b + expert) + row0.to(tl.int64) * row_bytes_b)
+    db = _bytes_at(dst_b + row0.to(tl.int64) * row_bytes_b)
+    for start in range(0, tl.maximum(size_a, size_b), BLOCK):
+        o = start + offsets
+        a = tl.load(sa + o, mask=o < size_a, other=0)
+        b = tl.load(sb + o, mask=o < size_b, other=0)
+        tl.store(da + o, a, mask=o < size_a)
+        tl.store(db + o, b, mask=o < size_b)
 
 
 @triton.jit
@@ -101,12 +98,11 @@ def _fill_kernel(
     # program (pair, block of BLOCK bytes of one projection of the pair's expert)
     pair = tl.program_id(0)
     expert = tl.load(expert_ids + pair)
-    is_valid = pair_is_valid(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
+    is_valid, safe, _, _, _ = expert_pointers(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs)
     # the first pair of the expert in its window copies it (a later window may copy it again: same bytes)
     positions = (pair // WINDOW) * WINDOW + tl.arange(0, WINDOW)
     ids = tl.load(expert_ids + positions, mask=positions < num_pairs, other=-1)
     first = tl.min(tl.where(ids == expert, positions, num_pairs), axis=0)
-    safe = tl.where(is_valid, expert, 0)
     wanted = is_valid & (first == pair) & (tl.load(flags + safe) != 0)
     size = tl.where(wanted, num_bytes, 0)
     offsets = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
