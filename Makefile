@@ -37,5 +37,5 @@ test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(LINT_STAMP)
-	$(BIN)/ruff check engine ops service tools tests
+	$(BIN)/ruff check engine ops service tools tests .ci
 	$(BIN)/mypy engine ops service tools

@@ -4,9 +4,10 @@ and its wait. Prints the step's time and the cost a layer adds. Usage: python3 .
 import sys
 
 import torch
+
+from engine.expert_cache.cpu_tasks import CpuTasks
 from ops.bank import ExpertWeights, random_expert_weights
 from ops.quants import QType
-from engine.expert_cache.cpu_tasks import CpuTasks
 from ops.triton import hold
 from ops.triton.bell import ring_and_wait
 
@@ -14,11 +15,11 @@ threads = int(sys.argv[1])
 dev = torch.device("cuda")
 NB = 8
 banks = {}
-for l in range(NB):
+for layer in range(NB):
     w = random_expert_weights(128, 2048, 768, QType.Q4_K)
-    banks[l] = ExpertWeights(w.gate.pin_memory(), w.up.pin_memory(), w.down.pin_memory(), w.gate_type, w.up_type,
+    banks[layer] = ExpertWeights(w.gate.pin_memory(), w.up.pin_memory(), w.down.pin_memory(), w.gate_type, w.up_type,
                              w.down_type, w.hidden, w.ff)
-tasks = CpuTasks(banks, {l: l for l in range(NB)}, 1, 8, 2048, dev, threads)
+tasks = CpuTasks(banks, {layer: layer for layer in range(NB)}, 1, 8, 2048, dev, threads)
 assert tasks.rings
 for k in (1, 2, 4, 8):
     print(f"threads {threads}: device_seconds k={k}: {tasks.device_seconds(0, k)*1e6:.1f} us", flush=True)
@@ -38,18 +39,19 @@ for k in (1, 2, 4):
         hold(300_000, dev)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record(main)
-        for l in range(48):
+        for layer in range(48):
             hold(pre_us * 1000, dev)
-            job.expert_ids.copy_(ids[rep * 48 + l], non_blocking=True)
+            job.expert_ids.copy_(ids[rep * 48 + layer], non_blocking=True)
             job.on_cpu.copy_(oncpu, non_blocking=True)
-            ring_and_wait(job.bell, l % NB)
+            ring_and_wait(job.bell, layer % NB)
         e.record(main)
         e.synchronize()
         times.append(s.elapsed_time(e))
     med = sorted(times)[10]
     base = 48 * pre_us / 1e3
-    print(f"threads {threads} k={k}: step {med:.3f} ms, device {base:.3f} ms, +{(med - base) / 48 * 1e3:.1f} us a layer "
-          f"({(med - base) / 48 * 1e3 / k:.1f} us an expert)", flush=True)
+    added = (med - base) / 48 * 1e3
+    print(f"threads {threads} k={k}: step {med:.3f} ms, device {base:.3f} ms, +{added:.1f} us a layer "
+          f"({added / k:.1f} us an expert)", flush=True)
 w = tasks.work()
 print(f"work: calls {w.calls} experts {w.experts} busy {w.busy_seconds:.3f} s -> {w.gbps:.1f} GB/s, "
       f"{w.busy_seconds / max(w.experts, 1) * 1e6:.1f} us an expert busy", flush=True)

@@ -3,9 +3,9 @@
 # to back on one machine (the machine goes back 30 s after a call returns):
 #   1: llama.cpp's CUDA build in the background and the model written meanwhile; every gpu test of tests/ops and
 #      tests/engine (ten pytest workers: 385 tests in 289 s during the build);
-#   2: every core free: resident and cached (lru, stream) at batch 1 after a 400-token warm-up (25/50/100%);
-#      llama.cpp's rows on the same file (resident, -ncmoe 24); stream and hybrid at 25% (decay), 8 sequences at
-#      50% and llama.cpp's 8 sequences; small budgets against no cache (every policy);
+#   2: llama.cpp's rows on the same file (resident, -ncmoe 24; after its build), then every core free: resident and
+#      cached (lru, stream) at batch 1 after a 400-token warm-up (25/50/100%), 8 sequences at 50% and llama.cpp's
+#      8 sequences, small budgets against no cache (every policy), stream and hybrid at 25% (decay);
 #   3: the CPU-computed misses: llama.cpp's -ncmoe 48 row, hybrid at 50%, the three miss modes with no cache, host
 #      memory shared by link and CPU (.ci/gpu-host-share.py), the miss modes on a 16 GB/s link;
 #   4: the step profile (.ci/gpu-step-profile.py), the doorbell's round trip and a streamed miss's cost
@@ -14,7 +14,7 @@
 # Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | 3 | 4
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export LOGS=/tmp/moecache-gpu  # kept between the calls of one lease; packed into $OUT/gpu-logs.tgz at the end
+export LOGS=${LOGS:-/tmp/moecache-gpu}  # kept between the calls of one lease; packed into $OUT/gpu-logs.tgz at the end
 mkdir -p "$LOGS"
 [ -n "${OUT:-}" ] && trap 'tar czf "$OUT/gpu-logs.tgz" -C "$LOGS" .' EXIT
 PROFILE=/tmp/uniform-profile.json  # every expert once: a 100% cache starts full
@@ -33,21 +33,22 @@ case "$1" in
   [ -f /tmp/qwen3moe-30b-a3b.gguf ] || PYTHONPATH=/tmp/site:$PWD python3 -m service.cli synth /tmp/qwen3moe-30b-a3b.gguf \
     --preset qwen3moe-30b-a3b --device cuda > "$LOGS/synth.log" 2>&1 &
   # NOTE: pytest-xdist carried as a wheel, tests spread one by one: the suite is mostly Triton compiles on the CPU
-  pytest_gpu suite 400 -n 10 tests/ops tests/engine
+  pytest_gpu suite 330 -n 10 tests/ops tests/engine
   wait
   ;;
 2)
+  # llama.cpp first: its bench waits for the build, which must not share the cores with moecache's rows
+  BUDGET_S=200 LLAMA_S=195 LLAMA_ROWS="resident half" bash .ci/gpu-check llamabench
   BUDGET_S=145 HEADLINE_S=140 HEADLINE_FRACS=0.25,0.5,1 HEADLINE_BATCHES=1 \
     HEADLINE_EXTRA="--cache-profile $PROFILE --warmup-gen-len 400" bash .ci/gpu-check headline
-  BUDGET_S=115 LLAMA_S=110 LLAMA_ROWS="resident half" bash .ci/gpu-check llamabench
-  BUDGET_S=60 CACHED_S=55 CACHED_NAME=modes25 CACHED_FRACS=0.25 CACHED_POLICIES=decay CACHED_MODES=stream,hybrid \
-    CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   BUDGET_S=60 BATCH8_S=55 bash .ci/gpu-check batch8
   echo "== llama-batched-bench -npl 8 -ngl 99 -ncmoe 24" | tee -a "$LOGS/llamacpp.log"
   timeout 60 /tmp/llamacpp/llama.cpp/build/bin/llama-batched-bench -m /tmp/qwen3moe-30b-a3b.gguf -fa on \
     -t "$(nproc)" -c 8192 -b 2048 -ub 512 -npp 128 -ntg 64 -npl 8 -ngl 99 -ncmoe 24 2>&1 | grep -E "^\||error" \
     | tee -a "$LOGS/llamacpp.log"
   BUDGET_S=135 SMALL_S=130 bash .ci/gpu-check small
+  BUDGET_S=60 CACHED_S=55 CACHED_NAME=modes25 CACHED_FRACS=0.25 CACHED_POLICIES=decay CACHED_MODES=stream,hybrid \
+    CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
   ;;
 3)
   BUDGET_S=75 LLAMA_S=70 LLAMA_ROWS="cpu" bash .ci/gpu-check llamabench

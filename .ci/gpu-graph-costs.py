@@ -28,7 +28,8 @@ void relay(void *arg) { int32_t *p = arg; p[1] = p[0] + 1; }
 void busy(void *arg) {
     struct timespec a, b; clock_gettime(CLOCK_MONOTONIC, &a);
     long us = *(int32_t *)arg;
-    do { clock_gettime(CLOCK_MONOTONIC, &b); } while ((b.tv_sec - a.tv_sec) * 1000000L + (b.tv_nsec - a.tv_nsec) / 1000 < us);
+    do { clock_gettime(CLOCK_MONOTONIC, &b); }
+    while ((b.tv_sec - a.tv_sec) * 1000000L + (b.tv_nsec - a.tv_nsec) / 1000 < us);
 }
 """
 

@@ -100,7 +100,7 @@ def split_steps(kernels: list[Kernel], steps: int) -> list[list[Kernel]]:
 
 def timeline_report(kernels: list[Kernel], steps: int) -> list[str]:
     if not kernels:
-        return ["   (no device timeline: not a CUDA device)"]
+        return ["   (no device timeline: --launch-only, or not a CUDA device)"]
     groups = split_steps(kernels, steps)
     lines = []
     busy = [sum(k.end - k.start for k in g) for g in groups]
