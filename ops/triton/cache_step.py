@@ -63,6 +63,14 @@ def _assign_kernel(
             tl.debug_barrier()
             is_first = valid & (tl.load(scratch + experts_row + safe, mask=valid, other=-1) == p)
         slot_now = tl.load(state + experts_row + safe, mask=valid, other=-1)
+        # NOTE: every load before the first store, so that they are in flight together (a load after a store
+        # may not pass it): the three projections' pool bases and strides and staging addresses
+        parts = tl.arange(0, 4)  # gate, up, down (and one unused)
+        in_parts = parts < 3
+        base = tl.load(pool_base + row64 * 3 + parts, mask=in_parts, other=0)
+        stride = tl.load(pool_stride + row64 * 3 + parts, mask=in_parts, other=0)
+        entry = (row64 * 3 + parts[:, None]) * num_experts + safe[None, :]  # [4, W]
+        staged_at = tl.load(staging + entry, mask=in_parts[:, None] & valid[None, :], other=0)
         missed = is_first & (slot_now < 0)
         rank = tl.cumsum(missed.to(tl.int32), axis=0) - 1
         num_missed = tl.sum(missed.to(tl.int32), axis=0)
@@ -81,13 +89,8 @@ def _assign_kernel(
             slot = tl.load(ring + region * ring_capacity + position, mask=lands, other=-1)
             tl.store(head_of + region, head + tl.minimum(num_streamed.to(tl.int64), available))
         outcome = tl.where(on_cpu, ON_CPU, tl.where(lands, LANDED, tl.where(streamed, STAGED, HIT)))
-        for part in tl.static_range(3):
-            base = tl.load(pool_base + row64 * 3 + part)
-            stride = tl.load(pool_stride + row64 * 3 + part)
-            entry = (row64 * 3 + part) * num_experts + safe
-            address = tl.where(lands, base + slot.to(tl.int64) * stride,
-                               tl.load(staging + entry, mask=streamed, other=0))
-            tl.store(cur + entry, tl.where(on_cpu, 0, address), mask=missed)
+        address = tl.where(lands[None, :], base[:, None] + slot.to(tl.int64)[None, :] * stride[:, None], staged_at)
+        tl.store(cur + entry, tl.where(on_cpu[None, :], 0, address), mask=in_parts[:, None] & missed[None, :])
         tl.store(fill + experts_row + safe, streamed.to(tl.int8), mask=is_first)
         decided, landed_slot = outcome, slot
         if DEDUP:  # every pair takes its expert's decision: (outcome + 1) | (slot + 1) << 3 through the scratch row
