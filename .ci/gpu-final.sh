@@ -2,7 +2,7 @@
 # The H200 lease of docs/benchmarks.md ("The cached decode step and CPU-computed misses"), device calls back
 # to back on one machine (the machine goes back 30 s after a call returns):
 #   1: llama.cpp's CUDA build in the background and the model written meanwhile; every gpu test of tests/ops and
-#      tests/engine (ten pytest workers: 385 tests in 289 s during the build);
+#      tests/engine (six pytest workers), then the build's end (up to 3 minutes);
 #   2: llama.cpp's rows on the same file (resident, -ncmoe 24; after its build), then every core free: resident and
 #      cached (lru, stream) at batch 1 after a 400-token warm-up (25/50/100%), 8 sequences at 50% and llama.cpp's
 #      8 sequences, small budgets against no cache (every policy), stream and hybrid at 25% (decay);
@@ -32,13 +32,19 @@ case "$1" in
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   [ -f /tmp/qwen3moe-30b-a3b.gguf ] || PYTHONPATH=/tmp/site:$PWD python3 -m service.cli synth /tmp/qwen3moe-30b-a3b.gguf \
     --preset qwen3moe-30b-a3b --device cuda > "$LOGS/synth.log" 2>&1 &
-  # NOTE: pytest-xdist carried as a wheel, tests spread one by one: the suite is mostly Triton compiles on the CPU
-  pytest_gpu suite 330 -n 10 tests/ops tests/engine
+  # NOTE: pytest-xdist carried as a wheel, tests spread one by one: the suite is mostly Triton compiles on the CPU.
+  # Six workers leave the build its cores: beside ten, the build (ten jobs) ran past this call, into the next
+  # call's rows (2026-12-02, lease E)
+  pytest_gpu suite 330 -n 6 tests/ops tests/engine
   wait
+  for _ in $(seq 1 36); do grep -q BUILD_DONE /tmp/llamacpp/build.log 2>/dev/null && break; sleep 5; done
+  tail -1 /tmp/llamacpp/build.log
   ;;
 2)
-  # llama.cpp first: its bench waits for the build, which must not share the cores with moecache's rows
-  BUDGET_S=200 LLAMA_S=195 LLAMA_ROWS="resident half" bash .ci/gpu-check llamabench
+  # llama.cpp first, after its build: moecache's rows must not share the cores with the compile
+  for _ in $(seq 1 60); do grep -q BUILD_DONE /tmp/llamacpp/build.log 2>/dev/null && break; sleep 5; done
+  grep -q "BUILD_DONE 0" /tmp/llamacpp/build.log || { echo "llama.cpp's build is not done: no rows"; exit 1; }
+  BUDGET_S=120 LLAMA_S=115 LLAMA_ROWS="resident half" bash .ci/gpu-check llamabench
   BUDGET_S=145 HEADLINE_S=140 HEADLINE_FRACS=0.25,0.5,1 HEADLINE_BATCHES=1 \
     HEADLINE_EXTRA="--cache-profile $PROFILE --warmup-gen-len 400" bash .ci/gpu-check headline
   BUDGET_S=60 BATCH8_S=55 bash .ci/gpu-check batch8
