@@ -76,7 +76,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    policy: str = field(default="lru", metadata={"flag": "--cache-policy", "choices": POLICIES})
+    policy: str = field(default="decay", metadata={"flag": "--cache-policy", "choices": POLICIES})
     miss_mode: str = field(default="cpu", metadata={
         "flag": "--miss-mode", "choices": MISS_MODES,
         "help": "where cache misses are computed: cpu, stream (device reads host memory) or hybrid"})

@@ -57,7 +57,7 @@ def _add_sweep_options(p: argparse.ArgumentParser) -> None:
                         metavar="MIB,...", help="cache budgets (default: the automatic budget)")
     budget.add_argument("--budget-frac", type=comma_list(fraction), default=None, metavar="F,...",
                         help="cache budgets as a share of the routed expert bytes in host RAM (0: no cache)")
-    s.add_argument("--policy", "--cache-policy", type=comma_list(str, POLICIES), default="lru",
+    s.add_argument("--policy", "--cache-policy", type=comma_list(str, POLICIES), default="decay",
                    metavar="P,...", help=f"cache policies ({', '.join(POLICIES)})")
     s.add_argument("--miss-mode", type=comma_list(str, MISS_MODES), default="cpu", metavar="M,...",
                    help=f"where misses are computed ({', '.join(MISS_MODES)})")
