@@ -328,8 +328,8 @@ def test_quantized_kv_cache_beside_windows_sinks_and_wide_heads(preset_gguf: Cal
     bf16 ones by 0.3-0.9 (gemma4-tiny) and single steps of gpt-oss-tiny by 0.11-0.17 where the others differ by
     6e-3. On the H200 (2026-12-02) captured and eager steps gave the same logits bit for bit; against the CPU
     gemma4-tiny's steps differ by 1.8e-2-4.9e-2 with q4_0 values and gpt-oss-tiny's by 3.7e-5, but for one to
-    three lone steps of 0.11-0.22 (docs/benchmarks.md). A wrong layout moves most steps: on the CPU, a window four
-    positions too wide puts the fourth quarter of either prompt's steps at 0.22-1.2."""
+    three lone steps of 0.11-0.22 (docs/benchmarks.md). A wrong layout moves many steps: on the CPU, a window four
+    positions too wide puts a quarter of either prompt's steps at 0.22 or more."""
     path = preset_gguf(model)
     prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
     logits = {}
