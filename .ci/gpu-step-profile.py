@@ -1,10 +1,12 @@
 """Where a decode step's time goes, per cache configuration: the device timeline of the steps (kernels,
 the gaps between them inside a step, the idle time between steps, which is the host's critical path),
-the graph launch call in the decode loop (host time, and the device's time from it to the graph's end)
-and the host's time per step split by function (cProfile).
+the graph launch call (alone, behind device work, in the decode loop with the device's time from it to the graph's
+end), the captured graph's nodes by type (`--census`), the threads that ran in the loop, the host's phases of a
+step (what runs while the device computes, what the device waits for) and the host's time per step split by
+function (cProfile, whose own cost inflates short calls: `--launch-only` leaves it and the device timeline out).
 
-Usage: python3 .ci/gpu-step-profile.py MODEL.gguf [--steps 16] [--warmup 400] [--batch 1]
-           [--config NAME=SPEC]...
+Usage: python3 .ci/gpu-step-profile.py MODEL.gguf [--steps 16] [--warmup 400] [--batch 1] [--census]
+           [--launch-only] [--config NAME=SPEC]...
 A SPEC is comma-separated `key=value` of: budget (a share of the host experts' bytes, 0..1), policy,
 miss (cpu|stream|hybrid), ncmoe (--n-cpu-moe), and the flag `cpumoe`; `resident` alone means every
 expert on the device. Default configs: resident; --cpu-moe at 25%, 50% and 100% budget (lru, stream); hybrid at
