@@ -44,11 +44,13 @@ class ExpertCache:
         self.placement, self.plan, self.cfg, self.stats, self.split, self.cpu = \
             placement, plan, cfg, stats, split, cpu
         self._pending: StepRecord | None = None
+        self._pending_seconds = 0.0  # the pending record's step, from prepare_step to step_done
+        self._began = 0.0  # when the running step was prepared
         self._split: tuple[float, float] | None = None  # a new hybrid (share, lead) for the next step
-        self._last_decode: float | None = None  # when the last decode step's record was processed
 
     # -- around each step ---------------------------------------------------------------------------------
     def prepare_step(self, num_tokens: int = 1) -> None:
+        self._began = time.monotonic()
         if num_tokens <= self.cfg.max_cached_batch:  # a decode step: its misses land
             self.manager.reserve(num_tokens)
         if self._split is not None:  # between steps: the device reads them in every layer
@@ -67,10 +69,8 @@ class ExpertCache:
             return
         streamed = self.observers.observe(record)
         if not record.is_prefill:  # NOTE: prefill never changes the cache
-            now = time.monotonic()
-            if self._last_decode is not None:
-                self.split.link.add(streamed, now - self._last_decode)
-            self._last_decode = now
+            # the link's load over decode steps' own time: not the prompts or the idle time between them
+            self.split.link.add(streamed, self._pending_seconds)
             self.manager.observe(record, upload_cpu_misses=self.split.uploads_cpu_misses)
             if self.cpu is not None:
                 self._split = self.split.update(self.cpu.work()) or self._split
@@ -78,7 +78,7 @@ class ExpertCache:
     def step_done(self) -> StepRecord:
         """Take the finished step's record (to be processed while the next step runs)."""
         self.process()  # a record not processed yet (no step ran meanwhile) goes first
-        self._pending = self.dispatcher.take_record()
+        self._pending, self._pending_seconds = self.dispatcher.take_record(), time.monotonic() - self._began
         self.manager.landed(self._pending)
         return self._pending
 

@@ -5,6 +5,7 @@ modes and batch sizes, with real GGUF expert bytes, the real copy thread and the
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -273,6 +274,29 @@ def test_hybrid_uploads_the_cpus_misses_and_lands_nothing_in_a_slot_still_being_
     outs, record = step(cache, layers, 2)
     assert all(rel_error(outs[layer], ref(layer, *args)) < TOLERANCE for layer, args in layers.items())
     assert published_bytes_match(cache)
+    cache.close()
+
+
+def test_the_link_load_counts_the_decode_steps_own_time(weights: ModelWeights) -> None:
+    """The link's load (it decides whether hybrid uploads the CPU's misses) is the streamed bytes over the decode
+    steps' own time: a prompt and an idle stretch between two decode steps do not dilute it."""
+    cache = make_cache(weights, policy="lru", miss_mode="stream", budget_mib=1)
+    seen: list[tuple[int, float]] = []
+    add = cache.split.link.add
+    cache.split.link.add = lambda num_bytes, seconds: (seen.append((num_bytes, seconds)), add(num_bytes, seconds))[-1]
+    rng = np.random.default_rng(5)
+
+    def run(tokens: int) -> None:
+        step(cache, {layer: random_step(rng, tokens, 16, 4, np.arange(16)) for layer in weights.moe_layers}, tokens)
+
+    run(1)
+    run(1)
+    time.sleep(0.3)  # idle, then a prompt (more tokens than a cached step: prefill, not counted)
+    run(MAX_TOKENS)
+    run(1)
+    cache.flush()
+    assert len(seen) == 3 and all(num_bytes > 0 for num_bytes, _ in seen)  # the decode steps, each streamed
+    assert all(0 < seconds < 0.3 for _, seconds in seen), seen
     cache.close()
 
 
