@@ -2,7 +2,7 @@
 # The H200 lease of docs/benchmarks.md ("The cached decode step and CPU-computed misses"), device calls back
 # to back on one machine (the machine goes back 30 s after a call returns):
 #   1: llama.cpp's CUDA build in the background and the model written meanwhile; every gpu test of tests/ops and
-#      tests/engine (six pytest workers), then the build's end (up to 3 minutes);
+#      tests/engine (eight pytest workers), then the build's end (up to 150 s more);
 #   2: llama.cpp's rows on the same file (resident, -ncmoe 24; after its build), then every core free: resident and
 #      cached (lru, stream) at batch 1 after a 400-token warm-up (25/50/100%), 8 sequences at 50% and llama.cpp's
 #      8 sequences, small budgets against no cache (every policy), stream and hybrid at 25% (decay);
@@ -33,11 +33,11 @@ case "$1" in
   [ -f /tmp/qwen3moe-30b-a3b.gguf ] || PYTHONPATH=/tmp/site:$PWD python3 -m service.cli synth /tmp/qwen3moe-30b-a3b.gguf \
     --preset qwen3moe-30b-a3b --device cuda > "$LOGS/synth.log" 2>&1 &
   # NOTE: pytest-xdist carried as a wheel, tests spread one by one: the suite is mostly Triton compiles on the CPU.
-  # Six workers leave the build its cores: beside ten, the build (ten jobs) ran past this call, into the next
-  # call's rows (2026-12-02, lease E)
-  pytest_gpu suite 330 -n 6 tests/ops tests/engine
+  # Eight workers leave the build some cores: beside ten, the build (ten jobs) ran past this call, into the next
+  # call's rows (2026-12-02, lease 9: 389 tests in 264 s)
+  pytest_gpu suite 400 -n 8 tests/ops tests/engine
   wait
-  for _ in $(seq 1 36); do grep -q BUILD_DONE /tmp/llamacpp/build.log 2>/dev/null && break; sleep 5; done
+  for _ in $(seq 1 30); do grep -q BUILD_DONE /tmp/llamacpp/build.log 2>/dev/null && break; sleep 5; done
   tail -1 /tmp/llamacpp/build.log
   ;;
 2)
