@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from engine.config import CacheConfig
 from service.cli import build_parser, main
 from service.commands.serve import serve_config, serve_options
 from service.options import add_options, apply_env_defaults, env_name, from_options, options_of
@@ -64,7 +65,7 @@ def test_a_flag_beats_its_variable_and_empty_keeps_the_default(monkeypatch: pyte
     monkeypatch.setenv("MOECACHE_CACHE_POLICY", "")
     assert build_parser().parse_args(["serve", "--port", "9"]).port == 9
     args = build_parser().parse_args(["serve"])
-    assert (args.port, args.moe_cache_mib, args.cache_policy) == (8001, None, "lru")
+    assert (args.port, args.moe_cache_mib, args.cache_policy) == (8001, None, CacheConfig().policy)
 
 
 @pytest.mark.parametrize(("name", "value", "message"), [
