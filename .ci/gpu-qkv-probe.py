@@ -29,11 +29,9 @@ for name in sys.argv[1:]:
                                scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
             logits[(device, graphs)] = teacher_forced_logits(LLMEngine(cfg), PROMPTS, 24)
         for run in RUNS[1:]:
-            worst = [max(rel_error(d[p:p + 1], c[p:p + 1]) for d, c in zip(logits[run], logits[RUNS[0]]))
+            steps = [[rel_error(d[p:p + 1], c[p:p + 1]) for d, c in zip(logits[run], logits[RUNS[0]])]
                      for p in range(len(PROMPTS))]
             print(f"{name} K {k_type} V {v_type} {'captured' if run[1] else 'eager'}: worst relative error a step "
-                  f"{worst[0]:.2e} (prompt of {len(PROMPTS[0])}), {worst[1]:.2e} (prompt of {len(PROMPTS[1])})",
-                  flush=True)
-            for p in range(len(PROMPTS)):
-                steps = [rel_error(d[p:p + 1], c[p:p + 1]) for d, c in zip(logits[run], logits[RUNS[0]])]
-                print(f"   prompt of {len(PROMPTS[p])}, each step: " + " ".join(f"{e:.1e}" for e in steps), flush=True)
+                  + ", ".join(f"{max(e):.2e} (prompt of {len(q)})" for e, q in zip(steps, PROMPTS)), flush=True)
+            for errors, prompt in zip(steps, PROMPTS):
+                print(f"   prompt of {len(prompt)}, each step: " + " ".join(f"{e:.1e}" for e in errors), flush=True)
