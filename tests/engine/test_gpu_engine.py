@@ -112,7 +112,10 @@ def test_every_mode_equals_the_reference_while_the_cache_fills(weights: ModelWei
     cache = make_cache(weights, budget_mib=2, miss_mode=mode, promote_per_step=4, link_gbps=link_gbps)
     if mode == "hybrid":  # the rates measured alone and at once and the CPU task's fixed cost set the split
         split = cache.split
-        assert split.fixed_seconds > 0 and split.at_once_gbps is not None and min(split.at_once_gbps) > 0
+        # NOTE: the fixed cost is the one-expert task's time less one expert's; on a host this suite loads (eight
+        # workers) the two medians can tie, so it is measured, not necessarily positive
+        assert split.fixed_seconds >= 0 and split.link_gbps > 0 and split.cpu_gbps > 0
+        assert split.at_once_gbps is not None and min(split.at_once_gbps) > 0
         assert 0 <= split.lead <= 4 and 0 < split.share <= 1
         assert float(cache.manager.tables.lead[0]) == pytest.approx(split.lead)
         cache.manager.tables.share.fill_(0.5)  # whatever this machine's split: half of each layer's misses on the CPU
