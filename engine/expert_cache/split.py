@@ -15,7 +15,6 @@ the CPU as it runs (`CpuTasks.work`)."""
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -77,8 +76,10 @@ def _streamer(bank: ExpertWeights, device: torch.device) -> Callable[[int], None
     return stream
 
 
-def _device_gbps(stream: Callable[[int], None], rounds: int, round_bytes: int) -> float:
-    """Bytes a second of `rounds` rounds of `stream`, timed on the device."""
+def _device_gbps(stream: Callable[[int], None], rounds: int, round_bytes: int,
+                 meanwhile: Callable[[torch.cuda.Event], None] | None = None) -> float:
+    """Bytes a second of `rounds` rounds of `stream`, timed on the device; `meanwhile(end)` runs on the host while
+    they do (until `end` has happened)."""
     stream(0)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -86,6 +87,8 @@ def _device_gbps(stream: Callable[[int], None], rounds: int, round_bytes: int) -
     for r in range(rounds):
         stream(r)
     end.record()
+    if meanwhile is not None:
+        meanwhile(end)
     end.synchronize()
     return rounds * round_bytes / (start.elapsed_time(end) / 1e3) / 1e9
 
@@ -97,58 +100,29 @@ def measure_stream_gbps(bank: ExpertWeights, device: torch.device, rounds: int =
 
 
 def measure_shared_gbps(link_bank: ExpertWeights, cpu_bank: ExpertWeights, device: torch.device, num_threads: int,
-                        rounds: int = 96, repeats: int = 5) -> tuple[float, float]:
+                        rounds: int = 32, repeats: int = 5) -> tuple[float, float]:
     """(device, CPU) expert bytes a second with both reading host memory at once: the device streams
     `link_bank`'s experts while the CPU kernel computes `cpu_bank`'s, 8 of one token a call; the medians of
     `repeats` runs (one run's CPU figure moved by 4x on the H200 host)."""
     stream = _streamer(link_bank, device)
-    runs = [_shared_gbps(stream, link_bank, cpu_bank, device, num_threads, rounds) for _ in range(repeats)]
+    runs = [_shared_gbps(stream, link_bank, cpu_bank, num_threads, rounds) for _ in range(repeats)]
     return sorted(r[0] for r in runs)[repeats // 2], sorted(r[1] for r in runs)[repeats // 2]
 
 
-def _shared_gbps(stream: Callable[[int], None], link_bank: ExpertWeights, cpu_bank: ExpertWeights,
-                 device: torch.device, num_threads: int, rounds: int) -> tuple[float, float]:
-    """One run of `measure_shared_gbps`. The CPU works in a thread from before the device's first round to after its
-    last, and only its calls that began and ended while the device streamed count: a CPU figure taken partly alone
-    read 46.5 + 58.7 GB/s "at once" on the H200 host, where the two share 31 + 27 (.ci/gpu-host-share.py)."""
-    from ops.triton.stage import hold
-
+def _shared_gbps(stream: Callable[[int], None], link_bank: ExpertWeights, cpu_bank: ExpertWeights, num_threads: int,
+                 rounds: int) -> tuple[float, float]:
     compute, cpu_round_bytes = _cpu_caller(cpu_bank, num_threads)
-    calls: list[tuple[float, float]] = []  # (began, ended), host clock
-    stop = threading.Event()
+    moved: list[float] = []
 
-    def cpu_meanwhile() -> None:
-        while not stop.is_set():
-            began = time.perf_counter()
-            compute(len(calls))
-            calls.append((began, time.perf_counter()))
+    def cpu_meanwhile(end: torch.cuda.Event) -> None:
+        calls, began = 0, time.perf_counter()
+        while not end.query() or calls == 0:
+            compute(calls)
+            calls += 1
+        moved.append(calls * cpu_round_bytes / (time.perf_counter() - began) / 1e9)
 
-    worker = threading.Thread(target=cpu_meanwhile, daemon=True)
-    stream(0)
-    torch.cuda.synchronize(device)
-    worker.start()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    hold(10_000_000, device)  # NOTE: the device waits while the host queues the rounds: they run back to back
-    start.record()
-    for r in range(rounds):
-        stream(r)
-    end.record()
-    first = _when(start)
-    last = _when(end)
-    stop.set()
-    worker.join()
-    inside = [(b, e) for b, e in calls if b >= first and e <= last]
-    assert inside, "the device's rounds outlast several CPU calls"
-    cpu = len(inside) * cpu_round_bytes / (inside[-1][1] - inside[0][0]) / 1e9
-    link = rounds * min(8, link_bank.num_experts) * link_bank.expert_bytes / (start.elapsed_time(end) / 1e3) / 1e9
-    return link, cpu
-
-
-def _when(event: torch.cuda.Event) -> float:
-    """The host clock soon after `event` happens (polled every 20 us: the host stays free for the CPU's thread)."""
-    while not event.query():
-        time.sleep(20e-6)
-    return time.perf_counter()
+    link = _device_gbps(stream, rounds, min(8, link_bank.num_experts) * link_bank.expert_bytes, cpu_meanwhile)
+    return link, moved[0]
 
 
 def _cpu_caller(bank: ExpertWeights, num_threads: int | None,
