@@ -4,9 +4,9 @@
 #   1: llama.cpp's CUDA build in the background and the model written meanwhile; every gpu test of tests/ops and
 #      tests/engine (eight pytest workers), then the build's end (up to 150 s more);
 #   2: llama.cpp's rows on the same file (resident, -ncmoe 24; after its build), then every core free: resident and
-#      cached (lru, stream) at batch 1 after a 400-token warm-up (25/50/100%), 8 sequences at 50% and llama.cpp's
+#      cached (lru, stream) at batch 1 after a 400-token warm-up (25/50/100%, 128 tokens a row), 8 sequences at 50% and llama.cpp's
 #      8 sequences, small budgets against no cache (every policy), stream and hybrid at 25% (decay);
-#   3: the CPU-computed misses: llama.cpp's -ncmoe 48 row, hybrid at 50%, the three miss modes with no cache, host
+#   3: the CPU-computed misses: llama.cpp's -ncmoe 48 row, stream and hybrid at 50%, the three miss modes with no cache, host
 #      memory shared by link and CPU (.ci/gpu-host-share.py), the miss modes on a 16 GB/s link;
 #   4: the step profile (.ci/gpu-step-profile.py), the doorbell's round trip and a streamed miss's cost
 #      (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over quantized KV caches, captured
@@ -45,21 +45,23 @@ case "$1" in
   for _ in $(seq 1 60); do grep -q BUILD_DONE /tmp/llamacpp/build.log 2>/dev/null && break; sleep 5; done
   grep -q "BUILD_DONE 0" /tmp/llamacpp/build.log || { echo "llama.cpp's build is not done: no rows"; exit 1; }
   BUDGET_S=120 LLAMA_S=115 LLAMA_ROWS="resident half" bash .ci/gpu-check llamabench
-  BUDGET_S=145 HEADLINE_S=140 HEADLINE_FRACS=0.25,0.5,1 HEADLINE_BATCHES=1 \
-    HEADLINE_EXTRA="--cache-profile $PROFILE --warmup-gen-len 400" bash .ci/gpu-check headline
+  # NOTE: 128 decode tokens a row, as llama-bench's tg128 beside them (a new request's first tokens hit less: replaying
+  # bench's requests at 50%, its first 8 tokens hit 93%, the rest 96-97%)
+  BUDGET_S=150 HEADLINE_S=145 HEADLINE_FRACS=0.25,0.5,1 HEADLINE_BATCHES=1 \
+    HEADLINE_EXTRA="--cache-profile $PROFILE --warmup-gen-len 400 --gen-len 128" bash .ci/gpu-check headline
   BUDGET_S=60 BATCH8_S=55 bash .ci/gpu-check batch8
   echo "== llama-batched-bench -npl 8 -ngl 99 -ncmoe 24" | tee -a "$LOGS/llamacpp.log"
   timeout 60 /tmp/llamacpp/llama.cpp/build/bin/llama-batched-bench -m /tmp/qwen3moe-30b-a3b.gguf -fa on \
     -t "$(nproc)" -c 8192 -b 2048 -ub 512 -npp 128 -ntg 64 -npl 8 -ngl 99 -ncmoe 24 2>&1 | grep -E "^\||error" \
     | tee -a "$LOGS/llamacpp.log"
   BUDGET_S=135 SMALL_S=130 bash .ci/gpu-check small
-  BUDGET_S=60 CACHED_S=55 CACHED_NAME=modes25 CACHED_FRACS=0.25 CACHED_POLICIES=decay CACHED_MODES=stream,hybrid \
-    CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
+  BUDGET_S=70 CACHED_S=65 CACHED_NAME=modes25 CACHED_FRACS=0.25 CACHED_POLICIES=decay CACHED_MODES=stream,hybrid \
+    CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE --gen-len 128" bash .ci/gpu-check cached
   ;;
 3)
   BUDGET_S=75 LLAMA_S=70 LLAMA_ROWS="cpu" bash .ci/gpu-check llamabench
-  BUDGET_S=60 CACHED_S=55 CACHED_NAME=hybrid50 CACHED_FRACS=0.5 CACHED_POLICIES=lru CACHED_MODES=hybrid \
-    CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE" bash .ci/gpu-check cached
+  BUDGET_S=75 CACHED_S=70 CACHED_NAME=hybrid50 CACHED_FRACS=0.5 CACHED_POLICIES=lru CACHED_MODES=stream,hybrid \
+    CACHED_EXTRA="--repeats 1 --cache-profile $PROFILE --gen-len 128" bash .ci/gpu-check cached
   BUDGET_S=55 CACHED_S=50 CACHED_NAME=modes0 CACHED_FRACS=0 CACHED_POLICIES=lru CACHED_MODES=cpu,stream,hybrid \
     CACHED_EXTRA="--warmup-gen-len 64 --gen-len 32 --repeats 1" bash .ci/gpu-check cached
   PYTHONPATH=/tmp/site:$PWD timeout 50 python3 .ci/gpu-host-share.py 14 2 2>&1 | tee "$LOGS/host-share.log" | tail -3
