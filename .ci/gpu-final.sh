@@ -4,10 +4,10 @@
 #   1: llama.cpp's CUDA build in the background and the model written meanwhile; every gpu test of tests/ops and
 #      tests/engine (eight pytest workers), then the build's end (up to 150 s more);
 #   2: llama.cpp's rows on the same file (resident, -ncmoe 24; after its build), then every core free: resident and
-#      cached (lru, stream) at batch 1 after a 400-token warm-up (25/50/100%, 128 tokens a row), 8 sequences at 50% and llama.cpp's
-#      8 sequences, small budgets against no cache (every policy), stream and hybrid at 25% (decay);
-#   3: the CPU-computed misses: llama.cpp's -ncmoe 48 row, stream and hybrid at 50%, the three miss modes with no cache, host
-#      memory shared by link and CPU (.ci/gpu-host-share.py), the miss modes on a 16 GB/s link;
+#      cached (lru, stream) at batch 1 after a 400-token warm-up (25/50/100%, 128 tokens a row), 8 sequences at 50%
+#      and llama.cpp's 8 sequences, small budgets against no cache (every policy), stream and hybrid at 25% (decay);
+#   3: the CPU-computed misses: llama.cpp's -ncmoe 48 row, stream and hybrid at 50%, the three miss modes with no
+#      cache, host memory shared by link and CPU (.ci/gpu-host-share.py), the miss modes on a 16 GB/s link;
 #   4: the step profile (.ci/gpu-step-profile.py), the doorbell's round trip and a streamed miss's cost
 #      (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over quantized KV caches, captured
 #      and eager (.ci/gpu-qkv-probe.py), where the lease has time left.
