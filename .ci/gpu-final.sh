@@ -46,7 +46,7 @@ case "$1" in
   grep -q "BUILD_DONE 0" /tmp/llamacpp/build.log || { echo "llama.cpp's build is not done: no rows"; exit 1; }
   BUDGET_S=120 LLAMA_S=115 LLAMA_ROWS="resident half" bash .ci/gpu-check llamabench
   # NOTE: 128 decode tokens a row, as llama-bench's tg128 beside them (a new request's first tokens hit less: replaying
-  # bench's requests at 50%, its first 8 tokens hit 93%, the rest 96-97%)
+  # bench's requests at 50%, its first 8 steps hit 93%, the rest 97%: .ci/policy-replay.py)
   BUDGET_S=150 HEADLINE_S=145 HEADLINE_FRACS=0.25,0.5,1 HEADLINE_BATCHES=1 \
     HEADLINE_EXTRA="--cache-profile $PROFILE --warmup-gen-len 400 --gen-len 128" bash .ci/gpu-check headline
   BUDGET_S=60 BATCH8_S=55 bash .ci/gpu-check batch8
