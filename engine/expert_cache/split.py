@@ -15,6 +15,7 @@ the CPU as it runs (`CpuTasks.work`)."""
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -76,10 +77,8 @@ def _streamer(bank: ExpertWeights, device: torch.device) -> Callable[[int], None
     return stream
 
 
-def _device_gbps(stream: Callable[[int], None], rounds: int, round_bytes: int,
-                 meanwhile: Callable[[torch.cuda.Event], None] | None = None) -> float:
-    """Bytes a second of `rounds` rounds of `stream`, timed on the device; `meanwhile(end)` runs on the host while
-    they do (until `end` has happened)."""
+def _device_gbps(stream: Callable[[int], None], rounds: int, round_bytes: int) -> float:
+    """Bytes a second of `rounds` rounds of `stream`, timed on the device."""
     stream(0)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -87,8 +86,6 @@ def _device_gbps(stream: Callable[[int], None], rounds: int, round_bytes: int,
     for r in range(rounds):
         stream(r)
     end.record()
-    if meanwhile is not None:
-        meanwhile(end)
     end.synchronize()
     return rounds * round_bytes / (start.elapsed_time(end) / 1e3) / 1e9
 
@@ -100,29 +97,57 @@ def measure_stream_gbps(bank: ExpertWeights, device: torch.device, rounds: int =
 
 
 def measure_shared_gbps(link_bank: ExpertWeights, cpu_bank: ExpertWeights, device: torch.device, num_threads: int,
-                        rounds: int = 32, repeats: int = 5) -> tuple[float, float]:
+                        seconds: float = 0.1, repeats: int = 3) -> tuple[float, float]:
     """(device, CPU) expert bytes a second with both reading host memory at once: the device streams
-    `link_bank`'s experts while the CPU kernel computes `cpu_bank`'s, 8 of one token a call; the medians of
-    `repeats` runs (one run's CPU figure moved by 4x on the H200 host)."""
+    `link_bank`'s experts for `seconds` in a thread while the CPU kernel computes `cpu_bank`'s, 8 of one token a
+    call, for 0.9 x `seconds` inside the device's run; the medians of `repeats` runs. Each side is timed over its
+    own run, so neither figure holds time the other side was idle (.ci/gpu-host-share.py's pattern: 31 + 27 GB/s on
+    the H200 host, run after run, where a CPU figure taken partly while the link was idle read 46.5 + 58.7)."""
     stream = _streamer(link_bank, device)
-    runs = [_shared_gbps(stream, link_bank, cpu_bank, num_threads, rounds) for _ in range(repeats)]
+    round_bytes = min(8, link_bank.num_experts) * link_bank.expert_bytes
+    compute, cpu_round_bytes = _cpu_caller(cpu_bank, num_threads)
+    stream(0)
+    compute(0)
+    torch.cuda.synchronize(device)
+    runs = []
+    for _ in range(repeats):
+        link: list[float] = []
+        started = threading.Event()
+        worker = threading.Thread(target=_device_run, args=(stream, round_bytes, device, seconds, started, link))
+        worker.start()
+        started.wait()
+        calls, began = 0, time.perf_counter()
+        while time.perf_counter() - began < 0.9 * seconds:
+            compute(calls)
+            calls += 1
+        cpu = calls * cpu_round_bytes / (time.perf_counter() - began) / 1e9
+        worker.join()
+        if not link:
+            raise RuntimeError("the device's streaming run beside the CPU failed")
+        runs.append((link[0], cpu))
     return sorted(r[0] for r in runs)[repeats // 2], sorted(r[1] for r in runs)[repeats // 2]
 
 
-def _shared_gbps(stream: Callable[[int], None], link_bank: ExpertWeights, cpu_bank: ExpertWeights, num_threads: int,
-                 rounds: int) -> tuple[float, float]:
-    compute, cpu_round_bytes = _cpu_caller(cpu_bank, num_threads)
-    moved: list[float] = []
-
-    def cpu_meanwhile(end: torch.cuda.Event) -> None:
-        calls, began = 0, time.perf_counter()
-        while not end.query() or calls == 0:
-            compute(calls)
-            calls += 1
-        moved.append(calls * cpu_round_bytes / (time.perf_counter() - began) / 1e9)
-
-    link = _device_gbps(stream, rounds, min(8, link_bank.num_experts) * link_bank.expert_bytes, cpu_meanwhile)
-    return link, moved[0]
+def _device_run(stream: Callable[[int], None], round_bytes: int, device: torch.device, seconds: float,
+                started: threading.Event, out: list[float]) -> None:
+    """Appends to `out` the device's bytes a second streaming rounds for `seconds` of host time; sets `started` once
+    it has begun (or failed: the caller waits for it and finds `out` empty)."""
+    try:
+        with torch.cuda.device(device):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            started.set()
+            rounds, deadline = 0, time.perf_counter() + seconds
+            while time.perf_counter() < deadline:
+                for _ in range(8):
+                    stream(rounds)
+                    rounds += 1
+                torch.cuda.current_stream(device).synchronize()
+            end.record()
+            end.synchronize()
+            out.append(rounds * round_bytes / (begin.elapsed_time(end) / 1e3) / 1e9)
+    finally:
+        started.set()
 
 
 def _cpu_caller(bank: ExpertWeights, num_threads: int | None,
