@@ -35,8 +35,10 @@ case "$1" in
   # NOTE: pytest-xdist carried as a wheel, tests spread one by one: the suite is mostly Triton compiles on the CPU.
   # Eight workers leave the build some cores: beside ten, the build (ten jobs) ran past this call, into the next
   # call's rows (2026-12-02, lease 9: 389 tests in 264 s)
-  pytest_gpu suite 400 -n 8 tests/ops tests/engine \
+  # NOTE: the at-once rates' test measures the host's memory: alone, after the others
+  pytest_gpu suite 400 -n 8 tests/ops tests/engine -k "not neither_the_link_nor_the_cpu" \
     || pytest_gpu suite-again 120 --last-failed tests/ops tests/engine  # what failed beside seven others, alone
+  pytest_gpu at-once 60 tests/engine/expert_cache/test_split.py
   wait
   for _ in $(seq 1 30); do grep -q BUILD_DONE /tmp/llamacpp/build.log 2>/dev/null && break; sleep 5; done
   tail -1 /tmp/llamacpp/build.log

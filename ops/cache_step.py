@@ -113,8 +113,9 @@ def assign_experts(row: int, expert_ids: torch.Tensor, weights: torch.Tensor, x:
                    record: torch.Tensor, landing: bool, job: CpuJob | None = None) -> None:
     """expert_ids, weights `[tokens, top_k]` (id -1: no expert) and x `[tokens, hidden]` of MoE layer `row`;
     record: int32 `[>= pairs, 3]` (ids, outcome, slot of each pair; any strides), this layer's part of the
-    step record. `landing`: misses may take offered slots. `job`: the layer's CPU job, written when any
-    pair may go to the CPU."""
+    step record. `landing`: misses may take offered slots. `job`: the layer's CPU job, written only when the layer
+    has CPU pairs (the host reads a job only when its layer rang): a layer that streams every miss writes nothing
+    to host memory."""
     if _use_triton(expert_ids):
         from ops.triton.cache_step import assign_experts as fused
         fused(row, expert_ids, weights, x, tables, record, landing, job)
@@ -182,9 +183,11 @@ def assign_experts_torch(row: int, expert_ids: torch.Tensor, weights: torch.Tens
     record[:num_pairs, 0] = torch.where(valid, ids, -1).to(record)
     record[:num_pairs, 1], record[:num_pairs, 2] = outcome.to(record), slots.to(record)
     if job is not None:
-        _write_job(job, ids, valid, outcome, weights, x)
+        has_cpu_pairs = bool((outcome == ON_CPU).any())
+        if has_cpu_pairs:
+            _write_job(job, ids, valid, outcome, weights, x)
         if job.bell is not None:
-            ring_bell_torch(job.bell, row, bool((outcome == ON_CPU).any()))
+            ring_bell_torch(job.bell, row, has_cpu_pairs)
 
 
 def ring_bell_torch(bell: Bell, task: int, rang: bool) -> None:
@@ -203,8 +206,7 @@ def _write_job(job: CpuJob, ids: torch.Tensor, valid: torch.Tensor, outcome: tor
     job.expert_ids[:num_pairs] = torch.where(valid, ids, -1).to(torch.int32)
     job.weights[:num_pairs] = weights.flatten().float().cpu()
     job.on_cpu[:num_pairs] = (outcome == ON_CPU).to(torch.int32)
-    if bool((outcome == ON_CPU).any()):  # x crosses to the host only when the CPU has work
-        job.x[:num_tokens] = x.float().cpu()
+    job.x[:num_tokens] = x.float().cpu()
 
 
 def begin_step_torch(tables: SlotTables, record: torch.Tensor, header: torch.Tensor, changes: torch.Tensor) -> None:

@@ -105,14 +105,15 @@ def _assign_kernel(
         tl.store(at, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
         tl.store(at + field_stride, pair_outcome.to(tl.int32), mask=in_pairs)
         tl.store(at + 2 * field_stride, pair_slot.to(tl.int32), mask=in_pairs)
-        if JOB:
-            num_tokens = num_pairs // top_k
-            tl.store(job_tokens, num_tokens)
-            tl.store(job_ids + p, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
-            tl.store(job_weights + p, tl.load(weights_ptr + p, mask=in_pairs, other=0.0).to(tl.float32), mask=in_pairs)
-            tl.store(job_on_cpu + p, (pair_outcome == ON_CPU).to(tl.int32), mask=in_pairs)
+        if JOB:  # written only for CPU pairs: a layer that streams every miss writes nothing to host memory
             has_cpu_pairs = tl.sum((in_pairs & (pair_outcome == ON_CPU)).to(tl.int32), axis=0) > 0
             if has_cpu_pairs:
+                num_tokens = num_pairs // top_k
+                tl.store(job_tokens, num_tokens)
+                tl.store(job_ids + p, tl.where(valid, e, -1).to(tl.int32), mask=in_pairs)
+                tl.store(job_weights + p, tl.load(weights_ptr + p, mask=in_pairs, other=0.0).to(tl.float32),
+                         mask=in_pairs)
+                tl.store(job_on_cpu + p, (pair_outcome == ON_CPU).to(tl.int32), mask=in_pairs)
                 cols = tl.arange(0, BLOCK_H)
                 for t in range(0, num_tokens):
                     for start in range(0, hidden, BLOCK_H):

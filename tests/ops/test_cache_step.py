@@ -97,6 +97,8 @@ def test_hybrid_streams_the_first_share_of_misses_and_gives_the_rest_to_the_cpu(
     t.share[0] = 1.0
     assign(t, [[6, 7], [8, 9], [1, 2]], job=job)  # every miss streamed: no CPU pair, no ring
     assert bell.state.tolist() == [42, 0] and int(bell.words[cs.Bell.RING]) == 42 << cs.TASK_BITS
+    # nor a job: host memory keeps the last one (the host reads a job only when its layer rang)
+    assert job.on_cpu[:6].tolist() == [0, 0, 0, 0, 1, 1] and job.expert_ids[:6].tolist() == [1, 2, 3, 1, 4, 5]
 
 
 @pytest.mark.parametrize(("lead", "streamed"), [(0.0, 3), (0.6, 3), (1.0, 4), (9.0, 5)])

@@ -96,7 +96,8 @@ def test_hybrid_uploads_the_cpus_misses_only_while_the_link_is_mostly_idle(bank)
 @pytest.mark.gpu
 def test_at_once_neither_the_link_nor_the_cpu_reads_faster_than_alone() -> None:
     """The at-once rates are taken while both read host memory: neither beats its own rate alone (a CPU figure
-    taken partly alone once read 58.7 GB/s at once beside 41.3 alone)."""
+    taken partly alone once read 58.7 GB/s at once beside 41.3 alone). A measurement: on a quiet host
+    (.ci/gpu-final.sh runs it after the other gpu tests, alone)."""
     from engine.expert_cache.split import measure_cpu_gbps, measure_shared_gbps, measure_stream_gbps
 
     def pinned(seed: int) -> ExpertWeights:  # one layer of Qwen3-30B-A3B's Q4_K experts
@@ -106,6 +107,11 @@ def test_at_once_neither_the_link_nor_the_cpu_reads_faster_than_alone() -> None:
 
     device, threads = torch.device("cuda"), max(1, (os.cpu_count() or 2) - 2)
     link_bank, cpu_bank = pinned(0), pinned(1)
-    link, cpu = measure_stream_gbps(link_bank, device), measure_cpu_gbps(cpu_bank, num_threads=threads)
+
+    def alone() -> tuple[float, float]:
+        return measure_stream_gbps(link_bank, device), measure_cpu_gbps(cpu_bank, num_threads=threads)
+
+    before = alone()
     link_both, cpu_both = measure_shared_gbps(link_bank, cpu_bank, device, threads)
+    link, cpu = (max(a, b) for a, b in zip(before, alone()))  # alone before and after: a host that got busier
     assert 0 < link_both <= 1.15 * link and 0 < cpu_both <= 1.15 * cpu
