@@ -8,9 +8,9 @@
 #      and llama.cpp's 8 sequences, small budgets against no cache (every policy), stream and hybrid at 25% (decay);
 #   3: the CPU-computed misses: llama.cpp's -ncmoe 48 row, stream and hybrid at 50%, the three miss modes with no
 #      cache, host memory shared by link and CPU (.ci/gpu-host-share.py), the miss modes on a 16 GB/s link;
-#   4: the step profile (.ci/gpu-step-profile.py), the doorbell's round trip and a streamed miss's cost
-#      (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over quantized KV caches, captured
-#      and eager (.ci/gpu-qkv-probe.py), where the lease has time left.
+#   4: the step profile (.ci/gpu-step-profile.py), the prompt's (.ci/gpu-prefill-profile.py), the doorbell's round
+#      trip and a streamed miss's cost (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over
+#      quantized KV caches, captured and eager (.ci/gpu-qkv-probe.py), where the lease has time left.
 # Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | 3 | 4
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +73,8 @@ case "$1" in
   ;;
 4)
   BUDGET_S=165 PROFILE_S=160 PROFILE_LINES=160 bash .ci/gpu-check profile
+  PYTHONPATH=/tmp/site:$PWD timeout 150 python3 .ci/gpu-prefill-profile.py /tmp/qwen3moe-30b-a3b.gguf 512 2>&1 \
+    | tee "$LOGS/prefill-profile.log" | grep -E "^(==|  +[0-9])" | head -70
   PYTHONPATH=/tmp/site:$PWD timeout 45 python3 .ci/gpu-bell-probe.py 14 2>&1 | tee "$LOGS/bell-probe.log" | tail -8
   PYTHONPATH=/tmp/site:$PWD timeout 75 python3 .ci/gpu-miss-probe.py 2>&1 | tee "$LOGS/miss-probe.log" | tail -3
   PYTHONPATH=/tmp/site:$PWD timeout 120 python3 .ci/gpu-qkv-probe.py gemma4-tiny gpt-oss-tiny 2>&1 \
