@@ -11,7 +11,8 @@
 #   4: the step profile (.ci/gpu-step-profile.py), the prompt's (.ci/gpu-prefill-profile.py), the doorbell's round
 #      trip and a streamed miss's cost (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over
 #      quantized KV caches, captured and eager (.ci/gpu-qkv-probe.py), where the lease has time left.
-# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | 3 | 4
+#   5: throughput as served: batched decode beside llama-batched-bench, moecache bench-serve over HTTP and gRPC.
+# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | 3 | 4 | 5
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LOGS=${LOGS:-/tmp/moecache-gpu}  # kept between the calls of one lease; packed into $OUT/gpu-logs.tgz at the end
@@ -79,5 +80,13 @@ case "$1" in
   PYTHONPATH=/tmp/site:$PWD timeout 75 python3 .ci/gpu-miss-probe.py 2>&1 | tee "$LOGS/miss-probe.log" | tail -3
   PYTHONPATH=/tmp/site:$PWD timeout 120 python3 .ci/gpu-qkv-probe.py gemma4-tiny gpt-oss-tiny 2>&1 \
     | tee "$LOGS/qkv-probe.log" | grep -E "^(gemma|gpt)"
+  ;;
+5)
+  # throughput as served (issue 16): llama-batched-bench at 1/8/32 sequences, moecache's engine at batches 1/8/32
+  # (resident, pp512 beside), then a real server under 1/8/32 streaming clients over HTTP and gRPC
+  BUDGET_S=200 LLAMA_S=195 LLAMA_ROWS="batched" bash .ci/gpu-check llamabench
+  BUDGET_S=100 RESIDENT_S=95 bash .ci/gpu-check resident
+  PYTHONPATH=/tmp/site:$PWD timeout 240 python3 -m service.cli bench-serve -m /tmp/qwen3moe-30b-a3b.gguf \
+    --clients 1,8,32 --gen-len 128 --join 4 --json "$LOGS/serve.json" 2>&1 | tee "$LOGS/serve.log" | grep -E "^\|"
   ;;
 esac
