@@ -2,7 +2,7 @@
 # The rows of the models people run offloaded (Gemma 4, DeepSeek-V2-Lite, gpt-oss-20b shapes) on the H200, after
 # `.ci/gpu-final.sh 1` built llama.cpp in the same lease. For each preset: the model written on the device, llama.cpp's
 # `-ngl 99` and `--n-cpu-moe` (half the MoE layers on the CPU) rows, then moecache's every-expert-resident row and
-# its `--cpu-moe` rows with no cache and a 50% cache (batch 1, 128 decode tokens after a 400-token warm-up, as
+# its `--cpu-moe` rows with no cache and a 50% cache (two bench runs: resident, host) (batch 1, 128 decode tokens after a 400-token warm-up, as
 # llama-bench's tg128). Every log and JSON in $LOGS (packed into $OUT/gpu-logs.tgz where $OUT is set).
 # Usage: bash .ci/gpu-models.sh [PRESET ...]   (default: gemma4-26b-a4b deepseek-v2-lite gpt-oss-20b)
 set -uo pipefail
@@ -31,8 +31,12 @@ for p in "${presets[@]}"; do
   else
     echo "no llama.cpp build at $LLAMA: its rows are missing" | tee -a "$LOGS/llamacpp-$p.log"
   fi
-  timeout 240 python3 -m service.cli bench -m "$model" --routing synthetic:qwen3 --json "$LOGS/models-$p.json" \
-    --prompt-len 512 --gen-len 128 --warmup-gen-len 400 --repeats 1 --max-num-seqs 1 --batches 1 \
-    --n-cpu-moe 0,99 --budget-frac 0,0.5 --policy decay --miss-mode stream 2>&1 | tee "$LOGS/models-$p.log" \
-    | grep -E "^\||error|Error" | tail -6
+  for placement in resident host; do  # every expert resident; every routed expert in host RAM, no cache and 50%
+    args="--n-cpu-moe 0"
+    [ $placement = host ] && args="--cpu-moe --budget-frac 0,0.5"
+    # shellcheck disable=SC2086
+    timeout 200 python3 -m service.cli bench -m "$model" --routing synthetic:qwen3 --json "$LOGS/models-$p-$placement.json" \
+      --prompt-len 512 --gen-len 128 --warmup-gen-len 400 --repeats 1 --max-num-seqs 1 --batches 1 \
+      $args --policy decay --miss-mode stream 2>&1 | tee -a "$LOGS/models-$p.log" | grep -E "^\| +([0-9]|auto)|error|Error"
+  done
 done
