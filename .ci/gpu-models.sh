@@ -2,8 +2,8 @@
 # The rows of the models people run offloaded (Gemma 4, DeepSeek-V2-Lite, gpt-oss-20b shapes) on the H200, after
 # `.ci/gpu-final.sh 1` built llama.cpp in the same lease. For each preset: the model written on the device, llama.cpp's
 # `-ngl 99` and `--n-cpu-moe` (half the MoE layers on the CPU) rows, then moecache's every-expert-resident row and
-# its `--cpu-moe` rows with no cache and a 50% cache (two bench runs: resident, host) (batch 1, 128 decode tokens after a 400-token warm-up, as
-# llama-bench's tg128). Every log and JSON in $LOGS (packed into $OUT/gpu-logs.tgz where $OUT is set).
+# its `--cpu-moe` rows with no cache and a 50% cache, two bench runs (batch 1, 128 decode tokens after a 400-token
+# warm-up, as llama-bench's tg128). Every log and JSON in $LOGS (packed into $OUT/gpu-logs.tgz where $OUT is set).
 # Usage: bash .ci/gpu-models.sh [PRESET ...]   (default: gemma4-26b-a4b deepseek-v2-lite gpt-oss-20b)
 set -uo pipefail
 cd "$(dirname "$0")/.."
