@@ -9,14 +9,21 @@ their own rates (on the H200 host: link 42 + CPU 55 GB/s alone, 30 + 26 at once)
 at-once rate while the other works. An expert the CPU computes does not land, so it also costs the later misses
 it causes (`later_misses_of`). `best_split` picks the (share, lead) whose rule gives layers of 1..top-k misses the
 least time in all: a layer with few misses streams them all, and where the CPU's work does not pay (host memory
-that feeds both no faster than the link alone, or a large cache) every miss is streamed. The engine re-measures
-the CPU as it runs (`CpuTasks.work`)."""
+that feeds both no faster than the link alone, or a large cache) every miss is streamed.
+
+The model is the prior, the clock the judge: the rates it is fit to are measured apart from the steps (on the H200
+host the at-once rates read 43 + 42 GB/s in one run and 35 + 32 in the next), so `SplitSearch` times the model's
+split, every miss on the CPU and every miss streamed over a few decode steps each, then moves the share from the
+fastest while that is faster, and keeps the fastest. The engine re-measures the CPU as it runs (`CpuTasks.work`):
+a new model split starts a new search, as does a search older than `Split.research` decode steps."""
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -246,6 +253,51 @@ def best_split(expert_bytes: int, link: float, cpu: float, fixed: float, at_once
     return float(SHARES[i_share]), float(LEADS[i_lead])
 
 
+class SplitSearch:
+    """The fastest (share, lead) of decode steps as timed (module doc): the prior (running when the search starts),
+    every miss on the CPU, every miss streamed, then shares `delta` either side of the fastest while one is faster.
+    Each candidate runs `settle` steps that still ran (part of) the one before, then `steps` timed ones; their
+    median seconds a token is its time. Plain Python: `observe` takes each decode step's seconds a token."""
+
+    def __init__(self, prior: tuple[float, float], steps: int = 4, settle: int = 2, delta: float = 0.1) -> None:
+        self.steps, self.settle, self.delta = steps, settle, delta
+        self.best, self.best_seconds = prior, math.inf
+        self.times: dict[tuple[float, float], float] = {}  # every candidate timed so far
+        self._current: tuple[float, float] | None = prior
+        self._queue = deque(c for c in ((0.0, 0.0), (1.0, 0.0)) if c != prior)
+        self._seen: list[float] = []
+
+    @property
+    def is_done(self) -> bool:
+        return self._current is None
+
+    def observe(self, seconds_per_token: float) -> tuple[float, float] | None:
+        """A decode step's seconds a token -> the split to run from the next step, where it changes."""
+        if self._current is None:
+            return None
+        self._seen.append(seconds_per_token)
+        if len(self._seen) < self.settle + self.steps:
+            return None
+        timed = sorted(self._seen[self.settle:])[self.steps // 2]
+        self.times[self._current] = timed
+        if timed < self.best_seconds:
+            self.best, self.best_seconds = self._current, timed
+        return self._next()
+
+    def _next(self) -> tuple[float, float] | None:
+        if not self._queue:  # the fastest's neighbours not timed yet
+            self._queue.extend(c for c in self._neighbours(self.best) if c not in self.times)
+        previous = self._current
+        self._current, self._seen = (self._queue.popleft() if self._queue else None), []
+        following = self._current if self._current is not None else self.best
+        return following if following != previous else None
+
+    def _neighbours(self, split: tuple[float, float]) -> list[tuple[float, float]]:
+        share, lead = split
+        shares = (round(min(1.0, max(0.0, share + d)), 2) for d in (-self.delta, self.delta))
+        return [(s, lead if 0.0 < s < 1.0 else 0.0) for s in shares if s != share]
+
+
 class Split:
     """The split of hybrid mode (module doc): `share` and `lead`, from the link and the CPU measured at start, alone
     and at once (on CUDA with a ringing device; the CPU task's fixed cost too), the CPU's rate then re-measured from
@@ -255,8 +307,8 @@ class Split:
 
     def __init__(self, mode: MissMode, device: torch.device, banks: Sequence[ExpertWeights], on_device: bool,
                  every: int = 64, link_cap_gbps: float | None = None, cpu: CpuTasks | None = None,
-                 cached_share: float = 0.0) -> None:
-        self.every, self.link_gbps, self.cpu_gbps, self.fixed_seconds = every, 0.0, 0.0, 0.0
+                 cached_share: float = 0.0, research: int = 4096) -> None:
+        self.every, self.research, self.link_gbps, self.cpu_gbps, self.fixed_seconds = every, research, 0.0, 0.0, 0.0
         self.later_misses = later_misses_of(cached_share)
         self.at_once_gbps: tuple[float, float] | None = None  # (link, CPU) reading host memory together
         self.max_missed = 8
@@ -266,10 +318,14 @@ class Split:
         self.share, self.lead = (1.0 if not mode.uses_cpu else 0.0), 0.0
         self._steps, self._cpu_alone = 0, 0.0
         self._last: CpuWork | None = None
+        self.model = (self.share, self.lead)  # the model's split (module doc), the searches' prior
+        self.search: SplitSearch | None = None
+        self._searched_at = 0
         if self.hybrid:
             assert bank is not None
             self._measure(banks, device, on_device, link_cap_gbps, cpu)
-            self.share, self.lead = self._split()
+            self.model = self.share, self.lead = self._split()
+            self.search = SplitSearch(self.model)
         self.link = LinkLoad(self.link_gbps)
 
     def _measure(self, banks: Sequence[ExpertWeights], device: torch.device, on_device: bool,
@@ -311,30 +367,48 @@ class Split:
         if not self.hybrid:
             return ""
         at_once = f", at once {self.at_once_gbps[0]:.1f} + {self.at_once_gbps[1]:.1f}" if self.at_once_gbps else ""
-        return (f" (streams round({self.share:.2f} x misses + {self.lead:.2f}) of a layer's misses: link "
-                f"{self.link_gbps:.1f}, CPU {self.cpu_gbps:.1f}{at_once} GB/s, CPU task {self.fixed_seconds * 1e6:.0f} "
-                f"us, {self.later_misses:.2f} later misses a CPU expert)")
+        timed = ""
+        if self.search is not None and self.search.times:
+            timed = "; timed " + ", ".join(f"{s:.2f}/{lead:.2f} {t * 1e3:.2f} ms" for (s, lead), t in
+                                           self.search.times.items())
+        return (f" (streams round({self.share:.2f} x misses + {self.lead:.2f}) of a layer's misses; model "
+                f"{self.model[0]:.2f}/{self.model[1]:.2f} from link {self.link_gbps:.1f}, CPU {self.cpu_gbps:.1f}"
+                f"{at_once} GB/s, CPU task {self.fixed_seconds * 1e6:.0f} us, {self.later_misses:.2f} later misses a "
+                f"CPU expert{timed})")
 
     @property
     def is_hybrid(self) -> bool:
         """Both the link and the CPU take misses (hybrid mode may stream them all)."""
         return 0.0 < self.share < 1.0
 
-    def update(self, work: CpuWork) -> tuple[float, float] | None:
-        """After a decode step: the new (share, lead) when the CPU's measured rate moved the split."""
+    def update(self, work: CpuWork, seconds_per_token: float) -> tuple[float, float] | None:
+        """After a decode step (its CPU counters, its seconds a token): the new (share, lead) where it changes."""
         if not self.hybrid:
             return None
         self._steps += 1
+        if self._remodel(work) or self._steps - self._searched_at >= self.research:
+            self.search, self._searched_at = SplitSearch(self.model), self._steps
+            following: tuple[float, float] | None = self.model
+        else:
+            assert self.search is not None
+            following = self.search.observe(seconds_per_token)
+        if following is None or following == (self.share, self.lead):
+            return None
+        self.share, self.lead = following
+        return following
+
+    def _remodel(self, work: CpuWork) -> bool:
+        """Every `every` steps: the CPU's rate from its counters; whether it moved the model's split."""
         if self._last is None or self._steps % self.every:
             self._last = self._last or work
-            return None
+            return False
         busy, moved = work.busy_seconds - self._last.busy_seconds, work.bytes - self._last.bytes
         self._last = work
         if busy <= 0 or moved <= 0:
-            return None
+            return False
         self.cpu_gbps = moved / busy / 1e9
         share, lead = self._split()
-        if abs(share - self.share) <= 0.02 and abs(lead - self.lead) <= 0.1:
-            return None
-        self.share, self.lead = share, lead
-        return share, lead
+        if abs(share - self.model[0]) <= 0.02 and abs(lead - self.model[1]) <= 0.1:
+            return False
+        self.model = share, lead
+        return True

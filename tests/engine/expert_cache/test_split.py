@@ -1,7 +1,7 @@
 """The hybrid split: the (share, lead) rule that gives layers of each number of misses about their best split
 between the link and the CPU (the CPU task's fixed cost, host memory shared by both, the later misses of experts
-the CPU computed), the CPU's rate re-measured from its tasks' counters, and when hybrid uploads what the CPU
-computed."""
+the CPU computed), the CPU's rate re-measured from its tasks' counters, the search that times candidate splits on
+the decode steps and keeps the fastest, and when hybrid uploads what the CPU computed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ import torch
 
 from engine.config import MissMode
 from engine.expert_cache.cpu_tasks import CpuWork
-from engine.expert_cache.split import LinkLoad, Split, best_split, later_misses_of, layer_seconds, streamed_of
+from engine.expert_cache.split import (
+    LinkLoad,
+    Split,
+    SplitSearch,
+    best_split,
+    later_misses_of,
+    layer_seconds,
+    streamed_of,
+)
 from ops.bank import ExpertWeights, random_expert_weights
 from ops.quants import QType
 
@@ -29,18 +37,57 @@ def test_stream_and_cpu_modes_send_every_miss_one_way(bank) -> None:  # noqa: AN
     assert Split(MissMode("cpu"), torch.device("cpu"), [bank], False).share == 0.0
 
 
-def test_hybrid_share_follows_the_measured_cpu_rate(bank) -> None:  # noqa: ANN001
+def test_the_model_split_follows_the_measured_cpu_rate_and_starts_a_search(bank) -> None:  # noqa: ANN001
     split = Split(MissMode("hybrid"), torch.device("cpu"), [bank], False, every=4)
     assert 0.0 < split.share < 1.0 and split.link_gbps > 0 and split.cpu_gbps > 0
+    assert (split.share, split.lead) == split.model and split.search is not None
     split.link_gbps = 10.0
     work = CpuWork()
     updates = []
-    for _ in range(12):  # the CPU reads 30 GB/s: the device should stream about 10 / (10 + 30) of the misses
+    for _ in range(12):  # the CPU reads 30 GB/s: the model streams about 10 / (10 + 30) of the misses
         work = CpuWork(work.calls + 1, 0, 0, work.bytes + 30_000_000, work.busy_seconds + 0.001)
-        updates.append(split.update(work))
+        updates.append(split.update(work, 0.01))
+    model = best_split(bank.expert_bytes, 10e9, 30e9, 0.0, None, 8)
+    assert split.model == model and model[0] == pytest.approx(0.25, abs=0.06) and split.cpu_gbps == pytest.approx(30.0)
     moved = [u for u in updates if u is not None]
-    assert moved == [best_split(bank.expert_bytes, 10e9, 30e9, 0.0, None, 8)]
-    assert moved[0][0] == pytest.approx(0.25, abs=0.06) and split.cpu_gbps == pytest.approx(30.0)
+    assert moved[0] == model  # the new model split runs at once, then the search times the others
+    assert split.search.times and set(split.search.times) <= {model, (0.0, 0.0), (1.0, 0.0)}
+
+
+def drive(search: SplitSearch, seconds_of, steps: int) -> list[tuple[float, float]]:  # noqa: ANN001
+    """The engine's order: a step's seconds reach the search while the next step runs; a split it returns runs from
+    the step after. Returns the split each step ran."""
+    ran, running, before = [], search.best, search.best
+    for _ in range(steps):
+        following = search.observe(seconds_of(before))
+        ran.append(running)
+        before = running
+        if following is not None:
+            running = following
+    return ran
+
+
+def test_the_search_keeps_the_fastest_split_timed() -> None:
+    """The model says 0.62; the steps are fastest at share 0.3 (1 ms a token, +1 ms per unit of share away)."""
+    search = SplitSearch((0.62, 0.35))
+    ran = drive(search, lambda split: 1e-3 * (1 + abs(split[0] - 0.3)), 120)
+    assert search.is_done and search.best == (0.3, 0.0) and ran[-1] == (0.3, 0.0)
+    assert search.times[(0.62, 0.35)] == pytest.approx(1.32e-3)  # each timed on its own steps, not the one before
+    assert search.times[(0.3, 0.0)] == pytest.approx(1e-3)
+    assert ran.index((0.3, 0.0)) < 60  # 6 steps a candidate: the prior, both ends, then 0.1, 0.2, 0.3, 0.4
+
+
+def test_the_search_keeps_the_prior_where_it_is_fastest_and_ignores_a_slow_step() -> None:
+    search = SplitSearch((0.5, 0.0))
+    steps = iter(range(1000))
+
+    def seconds_of(split: tuple[float, float]) -> float:
+        slow = next(steps) == 9  # one step of another's split slowed by a prompt joining
+        return 1e-3 * (1 + abs(split[0] - 0.5)) * (5 if slow else 1)
+
+    ran = drive(search, seconds_of, 80)
+    assert search.is_done and search.best == (0.5, 0.0) and ran[-1] == (0.5, 0.0)
+    assert set(search.times) == {(0.5, 0.0), (0.0, 0.0), (1.0, 0.0), (0.4, 0.0), (0.6, 0.0)}
 
 
 def rule_seconds(share: float, lead: float, n: int, *args) -> float:  # noqa: ANN002
