@@ -14,8 +14,10 @@ that feeds both no faster than the link alone, or a large cache) every miss is s
 The model is the prior, the clock the judge: the rates it is fit to are measured apart from the steps (on the H200
 host the at-once rates read 43 + 42 GB/s in one run and 35 + 32 in the next), so `SplitSearch` times the model's
 split, every miss on the CPU and every miss streamed over a few decode steps each, then moves the share from the
-fastest while that is faster, and keeps the fastest. The engine re-measures the CPU as it runs (`CpuTasks.work`):
-a new model split starts a new search, as does a search older than `Split.research` decode steps."""
+fastest while that is faster, and keeps the fastest. The engine re-measures the CPU as it runs (`CpuTasks.work`)
+and refits the model; after `FIRST_RESEARCH` decode steps (the first search ran while a cache was filling), then
+every `Split.research`, a new search starts from the split running then, with the model's split among the
+candidates."""
 
 from __future__ import annotations
 
@@ -255,16 +257,18 @@ def best_split(expert_bytes: int, link: float, cpu: float, fixed: float, at_once
 
 class SplitSearch:
     """The fastest (share, lead) of decode steps as timed (module doc): the prior (running when the search starts),
-    every miss on the CPU, every miss streamed, then shares `delta` either side of the fastest while one is faster.
-    Each candidate runs `settle` steps that still ran (part of) the one before, then `steps` timed ones; their
-    median seconds a token is its time. Plain Python: `observe` takes each decode step's seconds a token."""
+    the `others` (the model's split), every miss on the CPU, every miss streamed, then shares `delta` either side of
+    the fastest while one is faster. Each candidate runs `settle` steps that still ran (part of) the one before, then
+    `steps` timed ones; their median seconds a token is its time. Plain Python: `observe` takes each decode step's
+    seconds a token."""
 
-    def __init__(self, prior: tuple[float, float], steps: int = 4, settle: int = 2, delta: float = 0.1) -> None:
+    def __init__(self, prior: tuple[float, float], others: Sequence[tuple[float, float]] = (), steps: int = 4,
+                 settle: int = 2, delta: float = 0.1) -> None:
         self.steps, self.settle, self.delta = steps, settle, delta
         self.best, self.best_seconds = prior, math.inf
         self.times: dict[tuple[float, float], float] = {}  # every candidate timed so far
         self._current: tuple[float, float] | None = prior
-        self._queue = deque(c for c in ((0.0, 0.0), (1.0, 0.0)) if c != prior)
+        self._queue = deque(dict.fromkeys(c for c in (*others, (0.0, 0.0), (1.0, 0.0)) if c != prior))
         self._seen: list[float] = []
 
     @property
@@ -298,6 +302,9 @@ class SplitSearch:
         return [(s, lead if 0.0 < s < 1.0 else 0.0) for s in shares if s != share]
 
 
+FIRST_RESEARCH = 256  # the first search ran while a cache was filling: a second one once it is warmer
+
+
 class Split:
     """The split of hybrid mode (module doc): `share` and `lead`, from the link and the CPU measured at start, alone
     and at once (on CUDA with a ringing device; the CPU task's fixed cost too), the CPU's rate then re-measured from
@@ -320,7 +327,7 @@ class Split:
         self._last: CpuWork | None = None
         self.model = (self.share, self.lead)  # the model's split (module doc), the searches' prior
         self.search: SplitSearch | None = None
-        self._searched_at = 0
+        self._search_at = min(FIRST_RESEARCH, research)  # the next search's step (once the one before is done)
         if self.hybrid:
             assert bank is not None
             self._measure(banks, device, on_device, link_cap_gbps, cpu)
@@ -386,29 +393,25 @@ class Split:
         if not self.hybrid:
             return None
         self._steps += 1
-        if self._remodel(work) or self._steps - self._searched_at >= self.research:
-            self.search, self._searched_at = SplitSearch(self.model), self._steps
-            following: tuple[float, float] | None = self.model
-        else:
-            assert self.search is not None
-            following = self.search.observe(seconds_per_token)
+        self._remodel(work)
+        if self.search is not None and self.search.is_done and self._steps >= self._search_at:
+            # NOTE: from the split running now, the model's as it stands among the others
+            self.search = SplitSearch((self.share, self.lead), [self.model])
+            self._search_at = self._steps + self.research
+        assert self.search is not None
+        following = self.search.observe(seconds_per_token)
         if following is None or following == (self.share, self.lead):
             return None
         self.share, self.lead = following
         return following
 
-    def _remodel(self, work: CpuWork) -> bool:
-        """Every `every` steps: the CPU's rate from its counters; whether it moved the model's split."""
+    def _remodel(self, work: CpuWork) -> None:
+        """Every `every` steps: the CPU's rate from its counters, and the model's split from it."""
         if self._last is None or self._steps % self.every:
             self._last = self._last or work
-            return False
+            return
         busy, moved = work.busy_seconds - self._last.busy_seconds, work.bytes - self._last.bytes
         self._last = work
-        if busy <= 0 or moved <= 0:
-            return False
-        self.cpu_gbps = moved / busy / 1e9
-        share, lead = self._split()
-        if abs(share - self.model[0]) <= 0.02 and abs(lead - self.model[1]) <= 0.1:
-            return False
-        self.model = share, lead
-        return True
+        if busy > 0 and moved > 0:
+            self.cpu_gbps = moved / busy / 1e9
+            self.model = self._split()

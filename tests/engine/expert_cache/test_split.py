@@ -37,21 +37,34 @@ def test_stream_and_cpu_modes_send_every_miss_one_way(bank) -> None:  # noqa: AN
     assert Split(MissMode("cpu"), torch.device("cpu"), [bank], False).share == 0.0
 
 
-def test_the_model_split_follows_the_measured_cpu_rate_and_starts_a_search(bank) -> None:  # noqa: ANN001
+def test_the_model_split_follows_the_measured_cpu_rate(bank) -> None:  # noqa: ANN001
     split = Split(MissMode("hybrid"), torch.device("cpu"), [bank], False, every=4)
     assert 0.0 < split.share < 1.0 and split.link_gbps > 0 and split.cpu_gbps > 0
     assert (split.share, split.lead) == split.model and split.search is not None
     split.link_gbps = 10.0
     work = CpuWork()
-    updates = []
     for _ in range(12):  # the CPU reads 30 GB/s: the model streams about 10 / (10 + 30) of the misses
         work = CpuWork(work.calls + 1, 0, 0, work.bytes + 30_000_000, work.busy_seconds + 0.001)
-        updates.append(split.update(work, 0.01))
+        split.update(work, 0.01)
     model = best_split(bank.expert_bytes, 10e9, 30e9, 0.0, None, 8)
     assert split.model == model and model[0] == pytest.approx(0.25, abs=0.06) and split.cpu_gbps == pytest.approx(30.0)
-    moved = [u for u in updates if u is not None]
-    assert moved[0] == model  # the new model split runs at once, then the search times the others
-    assert split.search.times and set(split.search.times) <= {model, (0.0, 0.0), (1.0, 0.0)}
+
+
+def test_a_new_search_starts_from_the_running_split_with_the_models_among_the_others(bank) -> None:  # noqa: ANN001
+    split = Split(MissMode("hybrid"), torch.device("cpu"), [bank], False, research=120)
+    first = split.model
+    seconds = lambda: 1e-3 if split.share == 0.0 else 2e-3  # noqa: E731  every miss on the CPU is fastest
+    ran = []
+    for _ in range(100):
+        split.update(CpuWork(), seconds())
+        ran.append((split.share, split.lead))
+    assert split.search is not None and split.search.is_done and ran[-1] == (0.0, 0.0)
+    assert ran.count(first) < 12  # the model's split timed, not kept
+    split.model = (0.5, 0.5)  # as the CPU's re-measured rate would move it
+    for _ in range(100):  # the search of step 120, the next one not before step 240
+        split.update(CpuWork(), seconds())
+    assert split.search.is_done and set(split.search.times) >= {(0.5, 0.5), (1.0, 0.0)}
+    assert (split.share, split.lead) == (0.0, 0.0)
 
 
 def drive(search: SplitSearch, seconds_of, steps: int) -> list[tuple[float, float]]:  # noqa: ANN001
