@@ -4,6 +4,8 @@
 # `-ngl 99` and `--n-cpu-moe` (half the MoE layers on the CPU) rows, then moecache's every-expert-resident row and
 # its `--cpu-moe` rows with no cache and a 50% cache, two bench runs (batch 1, 128 decode tokens after a 400-token
 # warm-up, as llama-bench's tg128). Every log and JSON in $LOGS (packed into $OUT/gpu-logs.tgz where $OUT is set).
+# With PROFILE=1, each preset's resident decode step is profiled after its rows (.ci/gpu-step-profile.py: the kernels
+# by time, and the middle step's first 120 kernels in order: a layer's ops one by one).
 # Usage: bash .ci/gpu-models.sh [PRESET ...]   (default: gemma4-26b-a4b deepseek-v2-lite gpt-oss-20b)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,4 +41,9 @@ for p in "${presets[@]}"; do
       --prompt-len 512 --gen-len 128 --warmup-gen-len 400 --repeats 1 --max-num-seqs 1 --batches 1 \
       $args --policy decay --miss-mode stream 2>&1 | tee -a "$LOGS/models-$p.log" | grep -E "^\| +([0-9]|auto)|error|Error"
   done
+  if [ "${PROFILE:-0}" = 1 ]; then
+    timeout 150 python3 .ci/gpu-step-profile.py "$model" --config resident=resident --steps 8 --warmup 40 --top 30 \
+      --sequence 120 > "$LOGS/profile-$p.log" 2>&1
+    grep -E "^(==|   (device|gap))" "$LOGS/profile-$p.log"
+  fi
 done

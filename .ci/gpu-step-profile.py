@@ -100,7 +100,9 @@ def split_steps(kernels: list[Kernel], steps: int) -> list[list[Kernel]]:
     return [kernels[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
-def timeline_report(kernels: list[Kernel], steps: int) -> list[str]:
+def timeline_report(kernels: list[Kernel], steps: int, top: int = 14, sequence: int = 0) -> list[str]:
+    """The steps' kernels: counts and time, the largest gaps of the middle step, its `top` kernel names by time and
+    its first `sequence` kernels in order (a layer's ops one by one)."""
     if not kernels:
         return ["   (no device timeline: --launch-only, or not a CUDA device)"]
     groups = split_steps(kernels, steps)
@@ -121,8 +123,10 @@ def timeline_report(kernels: list[Kernel], steps: int) -> list[str]:
     for g in groups:
         for k in g:
             per_name.setdefault(k.name[:72], []).append(k.end - k.start)
-    for name, times in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:14]:
+    for name, times in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"   {sum(times) / n / 1e3:8.3f} ms {len(times) / n:6.1f}x  {name}")
+    for a, b in zip(middle[:sequence], middle[1:sequence + 1]):
+        lines.append(f"   seq {(a.end - a.start):7.1f} us  then {b.start - a.end:5.1f} us idle  {a.name[:90]}")
     return lines
 
 
@@ -181,7 +185,7 @@ def profile_config(engine: LLMEngine, name: str, spec: str, args: argparse.Names
               f"experts a step, {busy / args.steps * 1e3:.3f} ms of work ({busy / max(experts, 1) * 1e6:.1f} us an "
               f"expert); link busy {split.link.busy:.2f}", flush=True)
     host_lines = [] if args.launch_only else host_report(host, args.steps)
-    print("\n".join(timeline_report(kernels, args.steps) + [launch, replays] + host_lines),
+    print("\n".join(timeline_report(kernels, args.steps, args.top, args.sequence) + [launch, replays] + host_lines),
           flush=True)
 
 
@@ -360,6 +364,8 @@ def main() -> None:
     parser.add_argument("--census", action="store_true",
                         help="keep each captured graph's cudaGraph_t to count its nodes by type")
     parser.add_argument("--launch-only", action="store_true", help="no cProfile and no device timeline")
+    parser.add_argument("--top", type=int, default=14, help="kernel names listed by their time a step")
+    parser.add_argument("--sequence", type=int, default=0, help="the middle step's first N kernels listed in order")
     args = parser.parse_args()
     if args.census:
         class KeptGraph(torch.cuda.CUDAGraph):  # instantiated at its first replay, its graph kept
