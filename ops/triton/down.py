@@ -1,4 +1,5 @@
-"""Down projection of grouped expert pairs, scaled by the routing weight: y `[pairs, hidden]`."""
+"""Down projection of grouped expert pairs plus the expert's down bias (if any), scaled by the routing weight:
+y `[pairs, hidden]`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vector
-from ops.triton.gate_up import warps_for
+from ops.triton.gate_up import bias_rows, warps_for
 from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_for
 from ops.triton.qdot import GROUP, MAGIC, has_kernel, rows_dot
 from ops.triton.stage import COPY_BLOCK, Fill, fill_rows
@@ -15,8 +16,10 @@ from ops.triton.tables import ExpertTables
 
 
 @triton.jit
-def _store_y(y, y_stride, position, has, weights, rows, rmask, acc):
+def _store_y(y, y_stride, position, has, weights, rows, rmask, acc, bias, BIAS: tl.constexpr):
     weight = tl.load(weights + position, mask=has, other=0.0).to(tl.float32)
+    if BIAS:
+        acc += bias
     tl.store(y + position.to(tl.int64) * y_stride + rows, weight * acc, mask=tl.where(has, rmask, False))
 
 
@@ -24,9 +27,10 @@ def _store_y(y, y_stride, position, has, weights, rows, rmask, acc):
 def _down_kernel(
     h, h_stride, hs, hs_stride, expert_ids, weights, num_pairs,
     gate_ptrs, up_ptrs, down_ptrs, num_experts, down_row_bytes,
-    y, y_stride, hidden, magic, fill_flags, host_down_ptrs,
+    y, y_stride, hidden, magic, fill_flags, host_down_ptrs, down_biases,
     DOWN_FMT: tl.constexpr, FF: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, FILL: tl.constexpr, COPY: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
     # program (pair position, block of BR rows of hidden); only the first pair of each expert works
     pid = tl.program_id(0)
@@ -39,6 +43,9 @@ def _down_kernel(
     if FILL:
         filling = tl.load(fill_flags + safe) != 0  # in flight with the pointers
     positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
+    bias = 0.0
+    if BIAS:  # the expert's row of the biases `[experts, hidden]`
+        bias = tl.load(down_biases + safe.to(tl.int64) * hidden + safe_rows)
     if FILL:
         if filling & (count > 0):  # the leader of a streamed miss first copies the rows it computes
             row0 = tl.program_id(1) * BR
@@ -57,18 +64,19 @@ def _down_kernel(
             h + p0 * h_stride, h + p1 * h_stride, h + p2 * h_stride, h + p3 * h_stride,
             hs + p0 * hs_stride, hs + p1 * hs_stride, hs + p2 * hs_stride, hs + p3 * hs_stride,
             magic, DOWN_FMT, FF, BT, False)
-        _store_y(y, y_stride, p0, h0 > 0, weights, rows, rmask, a0)
+        _store_y(y, y_stride, p0, h0 > 0, weights, rows, rmask, a0, bias, BIAS)
         if BT > 1:
-            _store_y(y, y_stride, p1, h1 > 0, weights, rows, rmask, a1)
+            _store_y(y, y_stride, p1, h1 > 0, weights, rows, rmask, a1, bias, BIAS)
         if BT > 2:
-            _store_y(y, y_stride, p2, h2 > 0, weights, rows, rmask, a2)
-            _store_y(y, y_stride, p3, h3 > 0, weights, rows, rmask, a3)
+            _store_y(y, y_stride, p2, h2 > 0, weights, rows, rmask, a2, bias, BIAS)
+            _store_y(y, y_stride, p3, h3 > 0, weights, rows, rmask, a3, bias, BIAS)
 
 
 def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 tables: ExpertTables, y: torch.Tensor, block_tokens: int = 1, block_rows: int = 32,
                 num_warps: int | None = None, fill: Fill | None = None) -> None:
-    """y[p] = weights[p] * down_e(h[p]) for each computed pair p, 0 for a skipped pair. h float32
+    """y[p] = weights[p] * (down_e(h[p]) + the tables' down bias of e) for each computed pair p, 0 for a skipped
+    pair. h float32
     `[pairs, ff]` prepared for the down format (`prepare.launch_prepare`), h_sums `[pairs, ff // 16]`
     its natural sums; expert_ids, weights `[pairs]`; y float32 `[pairs, hidden]`. With `fill`, the down rows of
     experts whose flag is set are first copied from host memory (`ops.triton.stage`)."""
@@ -89,13 +97,15 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
         fill.check(tables)
     if num_pairs == 0:
         return
+    down_bias = tables.math.down_bias
+    biases = y if down_bias is None else bias_rows(down_bias, tables.num_experts, tables.hidden, device)
     grid = (num_pairs, triton.cdiv(tables.hidden, block_rows))
     _down_kernel[grid](
         h, h.stride(0), h_sums, h_sums.stride(0), expert_ids, weights, num_pairs,
         tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts, tables.down_row_bytes,
         y, y.stride(0), tables.hidden, MAGIC,
-        fill.flags if fill is not None else expert_ids, (fill.host if fill is not None else tables).down_ptrs,
+        fill.flags if fill is not None else expert_ids, (fill.host if fill is not None else tables).down_ptrs, biases,
         DOWN_FMT=int(tables.down_type), FF=tables.ff,
         BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs), FILL=fill is not None, COPY=COPY_BLOCK,
-        num_warps=num_warps or warps_for(block_rows),
+        BIAS=down_bias is not None, num_warps=num_warps or warps_for(block_rows),
     )

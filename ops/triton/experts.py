@@ -1,6 +1,6 @@
 """Grouped expert FFN on the GPU from raw GGUF bytes: the entry points of `ops.triton`.
 
-One call computes `out[t] = sum_p w_p * down_e(silu(gate_e(x_t)) * up_e(x_t))` over the pairs
+One call computes `out[t] = sum_p w_p * down_e(act(gate_e(x_t), up_e(x_t)))` over the pairs
 p = (t, e) of a step in four launches: prepare x (its columns in the kernel's order, sums per 16
 columns), gate/up -> h `[pairs, ff]`, down -> y `[pairs, hidden]`, and a per-token sum of y in pair
 order. That last sum is deterministic (the same inputs give the same bits, which atomics would not)
@@ -51,12 +51,13 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
                        prepared: Prepared | None = None) -> torch.Tensor:
     """x `[tokens, hidden]` (bf16/fp16/fp32); token_ids, expert_ids (int32/int64), weights `[pairs]`
     -> float32 `[tokens, hidden]`, or written into `out` if given (float32 or 16-bit). Pairs with expert
-    id -1 (or out of range, or a pointer <= 0) are skipped. Q4_K, Q5_K, Q6_K and Q8_0 run dedicated
+    id -1 (or out of range, or a pointer <= 0) are skipped. Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and MXFP4 run dedicated
     kernels; other formats a gather + dequantize path. `fill`: experts first copied from host memory to
     the tables' addresses (inside the kernels that read them); `extra`: float32 `[tokens, hidden]` added (the
     CPU's share of the pairs), with `extra_bell` once the CPU answered (`ops.triton.bell`). `prepared`: x already
     prepared for the gate format (`gate_format`, e.g. by `ops.triton.cache_step.assign_experts`), read instead of a
-    launch of its own. The tables' math other than plain (biases, another activation) runs the gather path."""
+    launch of its own. The tables' math (`ops.expert_math.ExpertMath`: the activation, biases) runs inside the
+    kernels."""
     num_pairs, num_tokens, device = expert_ids.shape[0], x.shape[0], tables.device
     check_rows("x", x, (num_tokens, tables.hidden), FLOAT_DTYPES, device)
     check_vector("token_ids", token_ids, num_pairs, INDEX_DTYPES, device)
@@ -68,26 +69,19 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
     if num_tokens == 0:
         return out
     block_tokens = config.block_tokens or default_block_tokens(num_tokens)
-    is_plain = tables.math.is_plain
-    fused = is_plain and all(has_kernel(t) for t in (tables.gate_type, tables.up_type, tables.down_type))
+    fused = all(has_kernel(t) for t in (tables.gate_type, tables.up_type, tables.down_type))
     if fill is not None and not fused:  # the fallback reads whole experts: copy them first
         fill_experts(expert_ids, tables, fill)
         fill = None
-    if is_plain:
-        y = _plain_ffn(x, token_ids, expert_ids, weights, tables, config, block_tokens, fill, prepared)
-    else:
-        h = torch.empty((num_pairs, tables.ff), dtype=torch.float32, device=device)
-        y = torch.empty((num_pairs, tables.hidden), dtype=torch.float32, device=device)
-        gate_up_fallback(x, token_ids, expert_ids, tables, h)
-        down_fallback(h, expert_ids, weights, tables, y)
+    y = _ffn(x, token_ids, expert_ids, weights, tables, config, block_tokens, fill, prepared)
     launch_combine(y, token_ids, out, extra=extra, bell=extra_bell)
     return out
 
 
-def _plain_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-               tables: ExpertTables, config: LaunchConfig, block_tokens: int, fill: Fill | None,
-               prepared: Prepared | None) -> torch.Tensor:
-    """y `[pairs, hidden]`: each pair's weighted down(silu(gate x) * up x), 0 for skipped pairs."""
+def _ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+         tables: ExpertTables, config: LaunchConfig, block_tokens: int, fill: Fill | None,
+         prepared: Prepared | None) -> torch.Tensor:
+    """y `[pairs, hidden]`: each pair's weighted down(act(gate x, up x)) (the tables' math), 0 for skipped pairs."""
     h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens, fill, prepared)
     if has_kernel(tables.down_type):
         launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens,
@@ -124,7 +118,7 @@ def gate_format(tables: ExpertTables) -> QType | None:
     """The format x is prepared for when the tables run the dedicated kernels (`grouped_expert_ffn`'s
     `prepared`), else None."""
     kernels = all(has_kernel(t) for t in (tables.gate_type, tables.up_type, tables.down_type))
-    return tables.gate_type if tables.math.is_plain and kernels else None
+    return tables.gate_type if kernels else None
 
 
 def tables_from_bank(bank: ExpertWeights, device: torch.device) -> ExpertTables:

@@ -1,4 +1,6 @@
-"""Gate and up projections of grouped expert pairs with SiLU(gate) * up fused: h `[pairs, ff]`."""
+"""Gate and up projections of grouped expert pairs with the expert's activation fused: h `[pairs, ff]`,
+`act(gate x + gate bias, up x + up bias)` with act SiLU-gated (`silu(g) * u`), GELU-gated (tanh form) or gpt-oss's
+clamped SwiGLU (`ops.expert_math.ExpertMath`)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,31 @@ from ops.triton.qdot import GROUP, MAGIC, has_kernel, read_place, rows_dot
 from ops.triton.stage import COPY_BLOCK, Fill, fill_rows2
 from ops.triton.tables import ExpertTables
 
+ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}  # the kernel's ACT code of each `ExpertMath.activation`
+GELU_SCALE = 2 * (2 / 3.141592653589793) ** 0.5  # gelu_tanh(g) = g * sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3))
+
 
 @triton.jit
-def _store_h(h, h_stride, hs, hs_stride, position, has, rows, rmask, ff, gate, up, DOWN_FMT: tl.constexpr,
-             BR: tl.constexpr, GROUP: tl.constexpr):
-    """h of one pair, prepared for the down kernel (its order and scale), and its sums per GROUP rows."""
-    value = gate * tl.sigmoid(gate) * up
+def _activation(gate, up, alpha, limit, ACT: tl.constexpr):
+    if ACT == 0:
+        value = gate * tl.sigmoid(gate) * up
+    elif ACT == 1:  # 0.5 g (1 + tanh(z)) = g sigmoid(2z)
+        value = gate * tl.sigmoid(GELU_SCALE * (gate + 0.044715 * gate * gate * gate)) * up
+    else:
+        g = tl.minimum(gate, limit)
+        value = g * tl.sigmoid(alpha * g) * (tl.minimum(tl.maximum(up, -limit), limit) + 1.0)
+    return value
+
+
+@triton.jit
+def _store_h(h, h_stride, hs, hs_stride, position, has, rows, rmask, ff, gate, up, gate_bias, up_bias, alpha, limit,
+             DOWN_FMT: tl.constexpr, BR: tl.constexpr, GROUP: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr):
+    """h of one pair, prepared for the down kernel (its order and scale), and its sums per GROUP rows. gate_bias,
+    up_bias: the pair's expert's rows of the biases (BIAS)."""
+    if BIAS:
+        gate += gate_bias
+        up += up_bias
+    value = _activation(gate, up, alpha, limit, ACT)
     place, factor = read_place(rows, DOWN_FMT)
     tl.store(h + position.to(tl.int64) * h_stride + place, value * factor, mask=tl.where(has, rmask, False))
     group = tl.program_id(1) * (BR // GROUP) + tl.arange(0, BR // GROUP)
@@ -30,10 +51,11 @@ def _store_h(h, h_stride, hs, hs_stride, position, has, rows, rmask, ff, gate, u
 def _gate_up_kernel(
     x_gate, x_up, x_stride, x_sums, sums_stride, num_tokens, token_ids, expert_ids, num_pairs,
     gate_ptrs, up_ptrs, down_ptrs, num_experts, gate_row_bytes, up_row_bytes,
-    h, h_stride, hs, hs_stride, ff, magic, fill_flags, host_gate_ptrs, host_up_ptrs,
+    h, h_stride, hs, hs_stride, ff, magic, fill_flags, host_gate_ptrs, host_up_ptrs, gate_biases, up_biases,
+    alpha, limit,
     GATE_FMT: tl.constexpr, UP_FMT: tl.constexpr, DOWN_FMT: tl.constexpr, HIDDEN: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, GROUP: tl.constexpr,
-    FILL: tl.constexpr, COPY: tl.constexpr,
+    FILL: tl.constexpr, COPY: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr,
 ):
     # program (pair position, block of BR rows of ff); only the first pair of each expert works
     pid = tl.program_id(0)
@@ -46,6 +68,10 @@ def _gate_up_kernel(
     if FILL:
         filling = tl.load(fill_flags + safe) != 0  # in flight with the pointers
     positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
+    gb, ub = 0.0, 0.0
+    if BIAS:  # the expert's rows of the biases `[experts, ff]`
+        gb = tl.load(gate_biases + safe.to(tl.int64) * ff + safe_rows)
+        ub = tl.load(up_biases + safe.to(tl.int64) * ff + safe_rows)
     if FILL:
         if filling & (count > 0):  # the leader of a streamed miss first copies the rows it computes
             row0 = tl.program_id(1) * BR
@@ -75,12 +101,16 @@ def _gate_up_kernel(
                 up_addr, up_addr, safe_rows, up_row_bytes,
                 x_up + t0 * x_stride, x_up + t1 * x_stride, x_up + t2 * x_stride, x_up + t3 * x_stride,
                 s0, s1, s2, s3, magic, UP_FMT, HIDDEN, BT, False)
-        _store_h(h, h_stride, hs, hs_stride, p0, h0 > 0, rows, rmask, ff, g0, u0, DOWN_FMT, BR, GROUP)
+        _store_h(h, h_stride, hs, hs_stride, p0, h0 > 0, rows, rmask, ff, g0, u0, gb, ub, alpha, limit,
+                     DOWN_FMT, BR, GROUP, ACT, BIAS)
         if BT > 1:
-            _store_h(h, h_stride, hs, hs_stride, p1, h1 > 0, rows, rmask, ff, g1, u1, DOWN_FMT, BR, GROUP)
+            _store_h(h, h_stride, hs, hs_stride, p1, h1 > 0, rows, rmask, ff, g1, u1, gb, ub, alpha, limit,
+                     DOWN_FMT, BR, GROUP, ACT, BIAS)
         if BT > 2:
-            _store_h(h, h_stride, hs, hs_stride, p2, h2 > 0, rows, rmask, ff, g2, u2, DOWN_FMT, BR, GROUP)
-            _store_h(h, h_stride, hs, hs_stride, p3, h3 > 0, rows, rmask, ff, g3, u3, DOWN_FMT, BR, GROUP)
+            _store_h(h, h_stride, hs, hs_stride, p2, h2 > 0, rows, rmask, ff, g2, u2, gb, ub, alpha, limit,
+                     DOWN_FMT, BR, GROUP, ACT, BIAS)
+            _store_h(h, h_stride, hs, hs_stride, p3, h3 > 0, rows, rmask, ff, g3, u3, gb, ub, alpha, limit,
+                     DOWN_FMT, BR, GROUP, ACT, BIAS)
 
 
 def default_block_tokens(num_tokens: int) -> int:
@@ -99,7 +129,8 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
                    expert_ids: torch.Tensor, tables: ExpertTables, h: torch.Tensor, h_sums: torch.Tensor,
                    block_tokens: int | None = None, block_rows: int = 16, num_warps: int | None = None,
                    fill: Fill | None = None) -> None:
-    """h[p] = silu(gate_e(x[t])) * up_e(x[t]) for each computed pair p = (t, e), prepared for the down
+    """h[p] = act(gate_e(x[t]), up_e(x[t])) for each computed pair p = (t, e) (the tables' math: its activation
+    and gate/up biases), prepared for the down
     kernel (`prepare.launch_prepare`'s order and scale for the down format), and h_sums[p] its natural
     sums per 16 rows (`qdot.GROUP`); rows of other pairs are left as they were. x_gate, x_up `[tokens, hidden]`:
     x prepared for the gate and up formats; x_sums `[tokens, hidden // 16]`; token_ids, expert_ids
@@ -129,13 +160,29 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
         return
     down_order = int(tables.down_type) if has_kernel(tables.down_type) else -1
     source = fill.host if fill is not None else tables
+    math = tables.math
+    biases = math.gate_bias is not None or math.up_bias is not None
+    gate_biases, up_biases = h, h  # placeholders, unread without biases
+    if biases:
+        gate_biases, up_biases = (bias_rows(b, tables.num_experts, tables.ff, device)
+                                  for b in (math.gate_bias, math.up_bias))
     grid = (num_pairs, triton.cdiv(tables.ff, block_rows))
     _gate_up_kernel[grid](
         x_gate, x_up, x_gate.stride(0), x_sums, x_sums.stride(0), num_tokens, token_ids, expert_ids, num_pairs,
         tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts,
         tables.gate_row_bytes, tables.up_row_bytes, h, h.stride(0), h_sums, h_sums.stride(0), tables.ff, MAGIC,
-        fill.flags if fill is not None else expert_ids, source.gate_ptrs, source.up_ptrs,
+        fill.flags if fill is not None else expert_ids, source.gate_ptrs, source.up_ptrs, gate_biases, up_biases,
+        math.alpha, math.limit,
         GATE_FMT=int(tables.gate_type), UP_FMT=int(tables.up_type), DOWN_FMT=down_order, HIDDEN=tables.hidden,
         BT=bt, BR=block_rows, WINDOW=window_for(num_pairs), GROUP=GROUP, FILL=fill is not None, COPY=COPY_BLOCK,
-        num_warps=num_warps or warps_for(block_rows),
+        ACT=ACTIVATIONS[math.activation], BIAS=biases, num_warps=num_warps or warps_for(block_rows),
     )
+
+
+def bias_rows(bias: torch.Tensor | None, num_rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """A math's bias as the kernels read it: float32 `[num_rows, cols]` on the device, contiguous (zeros for a
+    missing one where the other projection has its bias)."""
+    if bias is None:
+        return torch.zeros((num_rows, cols), dtype=torch.float32, device=device)
+    check_rows("bias", bias, (num_rows, cols), (torch.float32,), device)
+    return bias.contiguous()

@@ -7,7 +7,7 @@ Codes become floats without int->float conversions (quarter-rate on Hopper): a f
 word OR-ed into the mantissa of 2**23 is f = 2**23 + code * 2**e, exact, and one FMA,
 f * s - 2**23 * s, gives code * 2**e * s rounded once (s: the sub-block scale). The activations were
 multiplied by 2**-e beforehand (`ops.triton.prepare`), so the product is code * s * x. A block's
-offset (the min of Q4_K/Q5_K, the code bias 32 of Q6_K and 128 of Q8_0) is applied per sub-block
+offset (the min of Q4_K/Q5_K, the code bias 32 of Q6_K, 128 of Q8_0 and 8 of Q4_0) is applied per sub-block
 against the sum of its activations, also prepared. Per weight that is one or two bitwise ops and
 two FMAs (one more per extra slot); everything is elementwise in the weight tile's register layout,
 and the sums over a row happen once, at the end.
@@ -25,7 +25,11 @@ Q4_K = tl.constexpr(int(QType.Q4_K))
 Q5_K = tl.constexpr(int(QType.Q5_K))
 Q6_K = tl.constexpr(int(QType.Q6_K))
 Q8_0 = tl.constexpr(int(QType.Q8_0))
-KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0)
+Q4_0 = tl.constexpr(int(QType.Q4_0))
+MXFP4 = tl.constexpr(int(QType.MXFP4))
+KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)
+# doubled e2m1 magnitudes 0, 1, 2, 3, 4, 6, 8, 12 as the nibbles of one int32 (0xC8643210, read as signed)
+E2M1_NIBBLES = tl.constexpr(0xC8643210 - (1 << 32))
 GROUP = 16  # activation sums are kept per 16 columns (the smallest sub-block, Q6_K's)
 MAGIC = 0x4B000000  # float32 bits of 2**23, passed to the kernels at run time (see _code_times)
 
@@ -54,7 +58,12 @@ def read_place(col, FMT: tl.constexpr):
         u = col % 32
         place = col - u + 16 * (u % 2) + u // 2
         e = 8 * (u % 2)
-    else:
+    elif FMT == Q4_0:
+        # 32c + 16n + 2m + b -> 32c + 16n + 8b + m; nibble n of byte b at bit 8b + 4n
+        u = col % 32
+        place = col - u + 16 * (u // 16) + 8 * (u % 2) + (u % 16) // 2
+        e = 8 * (u % 2) + 4 * (u // 16)
+    else:  # MXFP4 too: its kernel reads the natural order
         place = col
         e = col * 0
     return place, ((127 - e) << 23).to(tl.float32, bitcast=True)
@@ -329,6 +338,89 @@ def _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
     return a0, a1, a2, a3, b0, b1, b2, b3
 
 
+# --- Q4_0: 18-byte blocks of 32 (2-byte aligned), read as halves, NB blocks at a time -----------------------
+
+
+@triton.jit
+def _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
+              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr):
+    """Q4_0 rows; wa, wb: int16 pointers `[BR]` to each row. Tile `[BR, NB blocks, 8 halves]`; byte b of half 1 + m
+    of block c holds weights 32c + 2m + b (low nibble) and 32c + 16 + 2m + b (high); w = d * (q - 8)."""
+    m = tl.arange(0, 8)[None, None, :]
+    zero = tl.zeros([wa.shape[0], NB, 8], tl.float32)
+    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
+    ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
+    for g in range(K // 32 // NB):
+        c = NB * g + tl.arange(0, NB)[None, :, None]
+        qa = tl.load(wa[:, None, None] + 9 * c + 1 + m).to(tl.int32)
+        da = _f16(tl.load(wa[:, None, None] + 9 * c + 0 * m).to(tl.int32))
+        qb, db = qa, da
+        if TWO:
+            qb = tl.load(wb[:, None, None] + 9 * c + 1 + m).to(tl.int32)
+            db = _f16(tl.load(wb[:, None, None] + 9 * c + 0 * m).to(tl.int32))
+        for n in tl.static_range(2):
+            for b in tl.static_range(2):
+                E = 8 * b + 4 * n
+                v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * n + 8 * b + m, BT)
+                q = _code_times(qa & (15 << E), magic, da, -8388608.0 * da)
+                a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, q, v0, v1, v2, v3, BT)
+                if TWO:
+                    q = _code_times(qb & (15 << E), magic, db, -8388608.0 * db)
+                    b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, q, v0, v1, v2, v3, BT)
+        # code bias 8 per block, counted once per block: 1/8 on each of its 8 halves
+        v0, v1, v2, v3 = _slots(s0, s1, s2, s3, 2 * c + 0 * m, BT)
+        u0, u1, u2, u3 = _slots(s0, s1, s2, s3, 2 * c + 1 + 0 * m, BT)
+        ma0, ma1, ma2, ma3 = _fma4(ma0, ma1, ma2, ma3, da, v0 + u0, v1 + u1, v2 + u2, v3 + u3, BT)
+        if TWO:
+            mb0, mb1, mb2, mb3 = _fma4(mb0, mb1, mb2, mb3, db, v0 + u0, v1 + u1, v2 + u2, v3 + u3, BT)
+    a0, a1, a2, a3 = _totals(a0, a1, a2, a3, ma0, ma1, ma2, ma3, BT)
+    b0, b1, b2, b3 = _totals(b0, b1, b2, b3, mb0, mb1, mb2, mb3, BT)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+# --- MXFP4: 17-byte blocks of 32 (byte aligned): an e8m0 scale, 16 bytes of e2m1 codes ------------------
+
+
+@triton.jit
+def _mxfp4_load(start, c, j):
+    """Code bytes `[BR, NB, 16]` (byte j of block c: weights 32c + j, low nibble, and 32c + 16 + j) and the block's
+    scale 2**(e - 128) (subnormal below e = 2, as ggml's e8m0 half), the same along j."""
+    codes = tl.load(start[:, None, None] + 17 * c + 1 + j).to(tl.int32)
+    e = tl.load(start[:, None, None] + 17 * c + 0 * j).to(tl.int32)
+    scale = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+    return codes, scale
+
+
+@triton.jit
+def _e2m1_times(code, magic, s):
+    """The e2m1 code in the low nibble of `code` (doubled: 0, 1, 2, 3, 4, 6, 8, 12, sign in bit 3) times s. The
+    magnitude is a nibble of E2M1_NIBBLES, made a float by the magic-number trick; the sign flips the product's."""
+    magnitude = (E2M1_NIBBLES >> ((code & 7) << 2)) & 15
+    value = _code_times(magnitude, magic, s, -8388608.0 * s)
+    return (value.to(tl.int32, bitcast=True) ^ ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
+                NB: tl.constexpr):
+    """MXFP4 rows; wa, wb: byte pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 bytes]`; no code offset."""
+    j = tl.arange(0, 16)[None, None, :]
+    zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
+    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
+    for g in range(K // 32 // NB):
+        c = NB * g + tl.arange(0, NB)[None, :, None]
+        qa, sa = _mxfp4_load(wa, c, j)
+        qb, sb = qa, sa
+        if TWO:
+            qb, sb = _mxfp4_load(wb, c, j)
+        for n in tl.static_range(2):
+            v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * n + j, BT)
+            a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, _e2m1_times(qa >> (4 * n), magic, sa), v0, v1, v2, v3, BT)
+            if TWO:
+                b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, _e2m1_times(qb >> (4 * n), magic, sb), v0, v1, v2, v3, BT)
+    return _total(a0), _total(a1), _total(a2), _total(a3), _total(b0), _total(b1), _total(b2), _total(b3)
+
+
 # --- one row block of any format --------------------------------------------------------------------
 
 
@@ -348,11 +440,20 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         out = _q6k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO)
+    elif FMT == MXFP4:
+        wa = addr_a.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
+        wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
+        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K, BT, TWO, ((K // 32) | 8) & (-((K // 32) | 8)))
     else:
-        tl.static_assert(FMT == Q8_0, "rows_dot: no kernel for this format")
+        tl.static_assert((FMT == Q8_0) | (FMT == Q4_0), "rows_dot: no kernel for this format")
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
-        # blocks per step: the largest of 8, 4, 2, 1 that divides the row (lowest set bit of n | 8)
-        out = _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
-                        ((K // 32) | 8) & (-((K // 32) | 8)))
+        # blocks a step: the largest of 8, 4, 2, 1 that divides the row (lowest set bit of n | 8); the same below
+        if FMT == Q8_0:
+            out = _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
+                            ((K // 32) | 8) & (-((K // 32) | 8)))
+        else:
+            out = _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
+                            ((K // 32) | 8) & (-((K // 32) | 8)))
     return out
+

@@ -23,6 +23,7 @@ from ops import quants
 from ops.bank import ExpertWeights
 from ops.cpu_experts import QType
 from ops.expert_ffn import expert_ffn_reference
+from ops.expert_math import ExpertMath
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
@@ -36,17 +37,23 @@ from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted
 # ~5e-7. A wrong scale, min, bit plane or skipped pair gives errors of order 1e-2 to 1.
 RTOL = 1e-5
 
-# gate, up, down types: the four kernel formats, the Q4_K_M layout (Q6_K down), a mix of all
-# kernels, and formats without a kernel (gather + dequantize path, also mixed with a kernel)
+# gate, up, down types: the six kernel formats, the Q4_K_M layout (Q6_K down), mixes of the kernels, and formats
+# without a kernel (gather + dequantize path, also mixed with a kernel)
 FORMATS = [
     (QType.Q4_K, QType.Q4_K, QType.Q4_K),
     (QType.Q5_K, QType.Q5_K, QType.Q5_K),
     (QType.Q6_K, QType.Q6_K, QType.Q6_K),
     (QType.Q8_0, QType.Q8_0, QType.Q8_0),
+    (QType.Q4_0, QType.Q4_0, QType.Q4_0),
+    (QType.MXFP4, QType.MXFP4, QType.MXFP4),
     (QType.Q4_K, QType.Q4_K, QType.Q6_K),
     (QType.Q5_K, QType.Q8_0, QType.Q4_K),
+    (QType.Q4_0, QType.MXFP4, QType.Q8_0),
+    (QType.MXFP4, QType.MXFP4, QType.Q4_0),
     (QType.IQ4_XS, QType.F16, QType.Q8_0),
 ]
+# what an expert computes between its matrices (`ops.expert_math`): activation, with biases or not
+MATHS = [("silu", True), ("gelu", False), ("gelu", True), ("swiglu_oai", True), ("swiglu_oai", False)]
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,17 @@ class Case:
     block_tokens: int | None = None
     gate_up_rows: int = 16  # rows per program
     down_rows: int = 32
+    activation: str = "silu"
+    biases: bool = False
+
+
+def random_math(case: Case, generator: torch.Generator) -> ExpertMath:
+    """The case's activation, with random biases of about the projections' size (0.5 x randn) if it has them: a
+    bias dropped, or added after the routing weight, moves the output by far more than RTOL."""
+    def bias(cols: int) -> torch.Tensor | None:
+        return 0.5 * torch.randn(case.num_experts, cols, generator=generator) if case.biases else None
+
+    return ExpertMath(case.activation, bias(case.ff), bias(case.ff), bias(case.hidden))  # type: ignore[arg-type]
 
 
 def random_bank(case: Case, generator: torch.Generator) -> ExpertWeights:
@@ -71,7 +89,8 @@ def random_bank(case: Case, generator: torch.Generator) -> ExpertWeights:
     gate_type, up_type, down_type = case.types
     return ExpertWeights(
         projection(gate_type, case.ff, case.hidden), projection(up_type, case.ff, case.hidden),
-        projection(down_type, case.hidden, case.ff), gate_type, up_type, down_type, case.hidden, case.ff)
+        projection(down_type, case.hidden, case.ff), gate_type, up_type, down_type, case.hidden, case.ff,
+        random_math(case, generator))
 
 
 def on_device(bank: ExpertWeights, device: torch.device, pin: bool = False) -> ExpertWeights:
@@ -79,7 +98,7 @@ def on_device(bank: ExpertWeights, device: torch.device, pin: bool = False) -> E
         return t.pin_memory() if pin else t.to(device)
 
     return ExpertWeights(move(bank.gate), move(bank.up), move(bank.down), bank.gate_type, bank.up_type,
-                         bank.down_type, bank.hidden, bank.ff)
+                         bank.down_type, bank.hidden, bank.ff, bank.math)
 
 
 def random_routing(case: Case, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,6 +192,27 @@ CUDA = torch.device("cuda")
 @pytest.mark.parametrize("types", FORMATS, ids=lambda t: "-".join(q.name for q in t))
 def test_matches_reference(types: tuple[QType, QType, QType], dtype: torch.dtype) -> None:
     run_case(Case(types, num_tokens=5, dtype=dtype), CUDA, seed=int(torch.randint(1 << 30, ())))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("math", MATHS, ids=lambda m: f"{m[0]}{'-biases' if m[1] else ''}")
+@pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q4_0,) * 3, (QType.MXFP4,) * 3],
+                         ids=lambda t: "-".join(q.name for q in t))
+def test_every_expert_math_in_the_kernels(types: tuple[QType, QType, QType], math: tuple[str, bool]) -> None:
+    run_case(Case(types, num_tokens=5, dtype=torch.bfloat16, activation=math[0], biases=math[1]), CUDA,
+             seed=int(torch.randint(1 << 30, ())))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2816, 704, QType.Q4_0, "gelu", False),
+                                   (2880, 2880, QType.MXFP4, "swiglu_oai", True)],
+                         ids=["gemma4-26b-a4b", "gpt-oss-20b"])
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_the_new_presets_shapes(shape: tuple[int, int, QType, str, bool], num_tokens: int) -> None:
+    hidden, ff, qtype, activation, biases = shape
+    case = Case((qtype,) * 3, num_tokens, torch.bfloat16, hidden=hidden, ff=ff, num_experts=16, top_k=4,
+                activation=activation, biases=biases)
+    run_case(case, CUDA, seed=int(torch.randint(1 << 30, ())))
 
 
 @pytest.mark.gpu
@@ -329,17 +369,29 @@ INTERPRETER_CASES = [
          gate_up_rows=32),
     Case((QType.IQ4_XS, QType.F16, QType.Q8_0), num_tokens=2, hidden=256, ff=256, num_experts=3, top_k=2,
          gate_up_rows=32),
+    # rows of 32-blocks not a multiple of 256 (Gemma 4's 704, gpt-oss's 2880), and every expert math
+    Case((QType.Q4_0,) * 3, num_tokens=3, hidden=224, ff=160, num_experts=4, top_k=2, gate_up_rows=32,
+         activation="gelu"),
+    Case((QType.MXFP4,) * 3, num_tokens=3, hidden=224, ff=160, num_experts=4, top_k=2, gate_up_rows=32,
+         activation="swiglu_oai", biases=True),
+    Case((QType.Q4_0, QType.MXFP4, QType.Q8_0), num_tokens=2, dtype=torch.bfloat16, hidden=256, ff=192,
+         num_experts=4, top_k=2, gate_up_rows=32, biases=True),
+    Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=2, hidden=256, ff=256, num_experts=3, top_k=2,
+         gate_up_rows=32, activation="gelu", biases=True),
 ]
-INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens}",
+INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens} {c.activation}"
+                       f"{' biases' if c.biases else ''}",
                        lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("bf16 out", lambda seed: check_16bit_out(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
 INTERPRETER_CHECKS.append(("prepared x",
                            lambda seed: check_prepared_x(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
+INTERPRETER_CHECKS.append(("prepared x, MXFP4 with biases",
+                           lambda seed: check_prepared_x(INTERPRETER_CASES[6], torch.device("cpu"), seed)))
 
 
 @needs_no_cuda
 def test_kernels_under_the_interpreter() -> None:
-    run_interpreted(__file__, INTERPRETER_CHECKS)
+    run_interpreted(__file__, INTERPRETER_CHECKS, timeout=900)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
