@@ -4,9 +4,17 @@ A prompt of a few hundred tokens selects nearly every expert of a layer, many to
 matrix work, where dequantizing in the inner loop (the GEMV kernels) wastes the tensor cores. Here a
 bank's experts are dequantized to bf16 a chunk of experts at a time, the (token, expert) pairs are
 sorted by expert, and each projection is one grouped GEMM (`torch._grouped_mm`) over the chunk.
+
+`MOECACHE_PREFILL_EXPERTS=fused` (default `dequant`, until measured on the GPU: `.ci/gpu-moe-gemm.py`) computes
+a CUDA bank whose three formats have tile kernels with `ops.triton.moe_gemm` instead: the same sorted pairs, the
+weights dequantized in registers inside the GEMM, nothing dequantized written to memory, no host sync. Other
+formats, other devices and other matmul dtypes keep the path above.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +24,16 @@ from ops.bank import ExpertWeights
 from ops.quants import QType
 
 CHUNK_BYTES = 256 << 20  # dequantized weights held at once
+PREFILL_EXPERTS = "MOECACHE_PREFILL_EXPERTS"
+PrefillExperts = Literal["fused", "dequant"]
+
+
+def prefill_experts() -> PrefillExperts:
+    """`$MOECACHE_PREFILL_EXPERTS`: `fused` (`ops.triton.moe_gemm`) or `dequant` (the default; also when empty)."""
+    value = os.environ.get(PREFILL_EXPERTS) or "dequant"
+    if value not in ("fused", "dequant"):
+        raise ValueError(f"{PREFILL_EXPERTS}: expected fused or dequant, got {value!r}")
+    return value  # type: ignore[return-value]
 
 
 def grouped_gemm_available(device: torch.device) -> bool:
@@ -30,6 +48,11 @@ def expert_ffn_grouped_gemm(x: torch.Tensor, token_ids: torch.Tensor, bank_rows:
                             chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """The signature of `ops.expert_ffn` (pairs with row -1 skipped) -> float32 `[tokens, hidden]`, matmuls
     in `dtype`."""
+    if x.is_cuda and dtype == torch.bfloat16 and prefill_experts() == "fused":
+        from ops.triton.moe_gemm import covers, expert_ffn_moe_gemm  # Triton: CUDA only
+
+        if covers(bank):
+            return expert_ffn_moe_gemm(x, token_ids, bank_rows, weights, bank)
     num_rows = bank.gate.shape[0]
     key = torch.where(bank_rows >= 0, bank_rows, num_rows)  # -1 sorts last
     order = torch.argsort(key, stable=True)

@@ -1,0 +1,353 @@
+"""Prefill's routed experts on tensor cores straight from the GGUF bytes (llama.cpp's MMQ idea, in Triton).
+
+The (token, expert) pairs are sorted by expert (`order`, per-expert `ends`); a tile is BLOCK_M consecutive
+pairs of ONE expert. A program computes one tile x BLOCK_N output rows: it loops over K, loads the expert's
+quantized weights for (BLOCK_N rows, BLOCK_K cols) from the bank's raw bytes, dequantizes them in registers to
+bf16 and multiplies them with the bf16 activations on the tensor cores (`tl.dot`, float32 accumulation).
+Nothing dequantized ever reaches memory: the grouped GEMM of `ops.grouped_gemm` writes and re-reads ~1.2 GB of
+bf16 per Qwen3-30B-A3B layer at pp512, these kernels read the ~0.34 GB of quantized bytes once per tile.
+
+Three kernels per layer:
+1. gate and up together, with the expert's activation and biases (`ops.expert_math.ExpertMath`): h `[pairs,
+   ff]` bf16, in sorted order;
+2. down, with the down bias and the pair's routing weight: y `[pairs, hidden]` float32, in pair order;
+3. each token's sum of its pairs' rows, in pair order (deterministic, no atomics).
+
+A weight tile is `[BLOCK_N, BLOCK_K // 16, 16]`: groups of 16 consecutive weights, the finest unit of a
+scale in every format here (Q6_K's sub-blocks), so each group finds its own block and scales. BLOCK_K is any
+multiple of 16 dividing K: a K-quant super-block may span several K steps, its scales are read per group.
+
+The tile schedule needs no host sync: the grid has an upper bound of tiles, `cdiv(pairs, BLOCK_M) +
+experts`; a program finds its expert from the per-expert tile counts (computed on the device) and exits
+if it has none. Formats: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (`has_kernel`), any mix over gate, up and down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
+import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+from ops.bank import ExpertWeights
+from ops.expert_math import ExpertMath
+from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows, check_vector, interpreting
+from ops.triton.dequant import _byte, _f16_at, _float, _scale_min_k4
+from ops.triton.gate_up import ACTIVATIONS, _activation
+from ops.triton.tables import QType
+
+Q4_0 = tl.constexpr(int(QType.Q4_0))
+Q8_0 = tl.constexpr(int(QType.Q8_0))
+Q4_K = tl.constexpr(int(QType.Q4_K))
+Q5_K = tl.constexpr(int(QType.Q5_K))
+Q6_K = tl.constexpr(int(QType.Q6_K))
+FORMATS = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+GROUP = 16  # weights sharing one scale, in every format above
+SUM_COLS = 256  # columns per program of the per-token sum
+
+
+def has_kernel(qtype: QType) -> bool:
+    return qtype in FORMATS
+
+
+def covers(bank: ExpertWeights) -> bool:
+    """The bank's three formats have tile kernels (its math always does)."""
+    return all(has_kernel(t) for t in (bank.gate_type, bank.up_type, bank.down_type))
+
+
+@dataclass(frozen=True)
+class MoeGemmConfig:
+    block_m: int | None = None  # pairs per tile (>= 16); None: from the mean pairs per expert
+    block_n: int = 64  # output rows per program (halved until it divides the rows)
+    block_k: int = 64  # weights per K step (halved until it divides K; a multiple of 16)
+    num_warps: int = 8  # 8 x 32 threads hold a BN x BK weight tile of each of gate and up without spilling
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            block = getattr(self, name)
+            if block is not None and (block < 16 or block & (block - 1)):
+                raise ValueError(f"{name}: expected a power of 2 >= 16 (tl.dot's least), got {block}")
+
+    def tile_m(self, num_pairs: int, num_experts: int) -> int:
+        if self.block_m is not None:
+            return self.block_m
+        mean = num_pairs / max(num_experts, 1)
+        return next((m for m in (16, 32, 64) if mean <= m), 128)
+
+
+# --- weight tiles: `base` an expert's matrix, `rows` int32 byte offsets of its rows [BN, 1, 1], groups g
+# [1, G, 1], c [1, 1, 16]; int32 offsets keep the tile's addresses out of 64-bit registers
+
+
+@triton.jit
+def _affine_k(base, rows, g, c, FIFTH: tl.constexpr):
+    """Q4_K / Q5_K (super-blocks of 256, sub-blocks of 32): weight 32s + c' of sub-block s is nibble s % 2 of
+    qs byte 32 (s // 2) + c'; Q5_K (FIFTH) adds bit s of qh byte c' as bit 4. w = (d * sc) * q - dmin * m."""
+    blk = rows + (g // 16) * (144 + 32 * FIFTH)
+    sub, cc = (g % 16) // 2, 16 * (g % 2) + c
+    sc, mn = _scale_min_k4(base + blk + 4, sub)
+    q = (_byte(base + (blk + 16 + 32 * FIFTH + 32 * (sub // 2) + cc)) >> 4 * (sub % 2)) & 15
+    if FIFTH:
+        q = q | (((_byte(base + (blk + 16 + cc)) >> sub) & 1) << 4)
+    return (_f16_at(base + blk) * _float(sc, 0.0)) * _float(q, 0.0) - _f16_at(base + blk + 2) * _float(mn, 0.0)
+
+
+@triton.jit
+def _q6_k(base, rows, g, c):
+    """Q6_K: group j of 16 (half j // 8, run a = (j % 8) // 2) is nibble a // 2 of ql bytes 64 half + 32 (a % 2)
+    + c' with bits 2a of qh bytes 128 + 32 half + c' above it; int8 scale j. w = (d * sc) * (q - 32)."""
+    blk = rows + (g // 16) * 210
+    j = g % 16
+    half, a, cc = j // 8, (j % 8) // 2, 16 * (j % 2) + c
+    low = (_byte(base + (blk + 64 * half + 32 * (a % 2) + cc)) >> 4 * (a // 2)) & 15
+    high = (_byte(base + (blk + 128 + 32 * half + cc)) >> 2 * a) & 3
+    sc = _byte(base + blk + 192 + j) ^ 0x80  # the int8 scale + 128
+    return (_f16_at(base + blk + 208) * _float(sc, 128.0)) * _float(low | (high << 4), 32.0)
+
+
+@triton.jit
+def _q8_0(base, rows, g, c):
+    """Q8_0 (blocks of 32: fp16 d, int8 q): w = d * q."""
+    blk = rows + (g // 2) * 34
+    return _f16_at(base + blk) * _float(_byte(base + (blk + 2 + 16 * (g % 2) + c)) ^ 0x80, 128.0)
+
+
+@triton.jit
+def _q4_0(base, rows, g, c):
+    """Q4_0 (blocks of 32: fp16 d, 16 bytes): weight 16h + c is nibble h of byte c. w = d * (q - 8)."""
+    blk = rows + (g // 2) * 18
+    q = (_byte(base + (blk + 2 + c)) >> 4 * (g % 2)) & 15
+    return _f16_at(base + blk) * _float(q, 8.0)
+
+
+@triton.jit
+def _weight_tile(base, rows, k, BN: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Weights [k, k + BK) of the rows -> bf16 `[BN, BK]`."""
+    g = k // 16 + tl.arange(0, BK // 16)[None, :, None]
+    c = tl.arange(0, 16)[None, None, :]
+    if FMT == Q4_K or FMT == Q5_K:
+        w = _affine_k(base, rows, g, c, FMT == Q5_K)
+    elif FMT == Q6_K:
+        w = _q6_k(base, rows, g, c)
+    elif FMT == Q8_0:
+        w = _q8_0(base, rows, g, c)
+    else:
+        tl.static_assert(FMT == Q4_0, "moe_gemm: no tile kernel for this format")
+        w = _q4_0(base, rows, g, c)
+    return _bf16(tl.reshape(w, [BN, BK]), INTERPRET)
+
+
+@triton.jit
+def _bf16(w, INTERPRET: tl.constexpr):
+    """float32 -> bf16, to nearest even. NOTE: the interpreter's cast truncates: INTERPRET rounds in integer
+    ops (finite w), so that the interpreter sees the GPU's operands."""
+    if INTERPRET:
+        bits = w.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return w.to(tl.bfloat16)
+
+
+@triton.jit
+def _mma(a, w, acc, INTERPRET: tl.constexpr):
+    """acc + a `[BM, BK]` @ w `[BN, BK]`^T, both bf16. NOTE: the interpreter (Triton 3.9) multiplies bf16
+    operands wrongly: INTERPRET multiplies the same values widened to float32, exactly."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(w), acc)
+
+
+# --- the schedule and the kernels ----------------------------------------------------------------------
+
+
+@triton.jit
+def _tile(ends, tile_ends, num_experts, BM: tl.constexpr, E_POW2: tl.constexpr):
+    """Program axis 1 -> (expert, its first sorted pair, its end): tile t is the expert's (t - its first
+    tile)-th; expert >= num_experts for a program past the last tile."""
+    t = tl.program_id(1)
+    experts = tl.arange(0, E_POW2)
+    counts = tl.load(tile_ends + experts, mask=experts < num_experts, other=2147483647)
+    expert = tl.sum((counts <= t).to(tl.int32))
+    e = tl.minimum(expert, num_experts - 1)
+    before = e > 0
+    first_tile = tl.load(tile_ends + e - 1, mask=before, other=0)
+    start = tl.load(ends + e - 1, mask=before, other=0)
+    return expert, start + (t - first_tile) * BM, tl.load(ends + e)
+
+
+@triton.jit
+def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts, gate, gate_estride, gate_row,
+                    up, up_estride, up_row, gate_bias, up_bias, alpha, limit, h, hidden, ff,
+                    GATE_FMT: tl.constexpr, UP_FMT: tl.constexpr, ACT: tl.constexpr, GATE_BIAS: tl.constexpr,
+                    UP_BIAS: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_POW2: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    expert, first, end = _tile(ends, tile_ends, num_experts, BM, E_POW2)
+    if expert >= num_experts:
+        return
+    rows = first + tl.arange(0, BM)
+    rmask = rows < end
+    tokens = tl.load(token_ids + tl.load(order + rows, mask=rmask, other=0), mask=rmask, other=0)
+    a_ptrs = x + tokens.to(tl.int64)[:, None] * x_stride + tl.arange(0, BK)[None, :]
+    n = tl.program_id(0) * BN + tl.arange(0, BN)  # rows of gate and up
+    e = expert.to(tl.int64)
+    g_base, g_rows = gate + e * gate_estride, (n * gate_row)[:, None, None]
+    u_base, u_rows = up + e * up_estride, (n * up_row)[:, None, None]
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, hidden, BK):
+        a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
+        acc_g = _mma(a, _weight_tile(g_base, g_rows, k, BN, BK, GATE_FMT, INTERPRET), acc_g, INTERPRET)
+        acc_u = _mma(a, _weight_tile(u_base, u_rows, k, BN, BK, UP_FMT, INTERPRET), acc_u, INTERPRET)
+    if GATE_BIAS:
+        acc_g += tl.load(gate_bias + e * ff + n)[None, :]
+    if UP_BIAS:
+        acc_u += tl.load(up_bias + e * ff + n)[None, :]
+    value = _activation(acc_g, acc_u, alpha, limit, ACT)
+    tl.store(h + rows.to(tl.int64)[:, None] * ff + n[None, :], _bf16(value, INTERPRET), mask=rmask[:, None])
+
+
+@triton.jit
+def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down, down_estride, down_row, down_bias, y,
+                 hidden, ff, BIAS: tl.constexpr, DOWN_FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, E_POW2: tl.constexpr, INTERPRET: tl.constexpr):
+    expert, first, end = _tile(ends, tile_ends, num_experts, BM, E_POW2)
+    if expert >= num_experts:
+        return
+    rows = first + tl.arange(0, BM)
+    rmask = rows < end
+    a_ptrs = h + rows.to(tl.int64)[:, None] * ff + tl.arange(0, BK)[None, :]
+    n = tl.program_id(0) * BN + tl.arange(0, BN)  # rows of down: output columns
+    e = expert.to(tl.int64)
+    d_base, d_rows = down + e * down_estride, (n * down_row)[:, None, None]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, ff, BK):
+        a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0)
+        acc = _mma(a, _weight_tile(d_base, d_rows, k, BN, BK, DOWN_FMT, INTERPRET), acc, INTERPRET)
+    if BIAS:
+        acc += tl.load(down_bias + e * hidden + n)[None, :]
+    pairs = tl.load(order + rows, mask=rmask, other=0)
+    acc *= tl.load(weights + pairs, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y + pairs.to(tl.int64)[:, None] * hidden + n[None, :], acc, mask=rmask[:, None])
+
+
+@triton.jit
+def _sum_kernel(y, by_token, token_ends, key, num_experts, out, hidden, BH: tl.constexpr):
+    # program (token, BH columns): the token's pairs in pair order (`by_token` sorts them stably)
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    cmask = cols < hidden
+    start = tl.load(token_ends + t - 1, mask=t > 0, other=0)
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for j in range(start, tl.load(token_ends + t)):
+        pair = tl.load(by_token + j)
+        is_kept = tl.load(key + pair) < num_experts  # a skipped pair's row of y is never written
+        acc += tl.load(y + pair.to(tl.int64) * hidden + cols, mask=tl.where(is_kept, cmask, False), other=0.0)
+    tl.store(out + t.to(tl.int64) * hidden + cols, acc, mask=cmask)
+
+
+# --- the launcher -----------------------------------------------------------------------------------------
+
+
+def expert_ffn_moe_gemm(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
+                        bank: ExpertWeights, config: MoeGemmConfig = MoeGemmConfig()) -> torch.Tensor:
+    """The signature of `ops.expert_ffn` (rows -1, or out of the bank, skipped) -> float32 `[tokens, hidden]`:
+    bf16 activations and weights, float32 accumulation, h rounded to bf16. The bank (a `covers` one) and x on
+    one CUDA device; no host sync."""
+    num_pairs, device = token_ids.shape[0], x.device
+    _check(x, token_ids, bank_rows, weights, bank)
+    out = torch.zeros((x.shape[0], bank.hidden), dtype=torch.float32, device=device)
+    if num_pairs == 0 or x.shape[0] == 0:
+        return out
+    block_m = config.tile_m(num_pairs, bank.num_experts)
+    key, order, ends, tile_ends = _schedule(bank_rows, bank.num_experts, block_m)
+    grid_tiles = triton.cdiv(num_pairs, block_m) + bank.num_experts
+    h = torch.empty((num_pairs, bank.ff), dtype=torch.bfloat16, device=device)
+    _launch_gate_up(x.to(torch.bfloat16), token_ids, order, ends, tile_ends, bank, h, block_m, grid_tiles, config)
+    y = torch.empty((num_pairs, bank.hidden), dtype=torch.float32, device=device)
+    _launch_down(h, order, weights, ends, tile_ends, bank, y, block_m, grid_tiles, config)
+    by_token = torch.argsort(token_ids, stable=True)
+    token_ends = torch.searchsorted(token_ids[by_token], torch.arange(x.shape[0], device=device), right=True)
+    _sum_kernel[(x.shape[0], triton.cdiv(bank.hidden, SUM_COLS))](
+        y, by_token.int(), token_ends.int(), key, bank.num_experts, out, bank.hidden, BH=SUM_COLS)
+    return out
+
+
+def _schedule(bank_rows: torch.Tensor, num_experts: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """key (the pair's expert, num_experts if skipped), order (pairs sorted by key), ends (of each expert's
+    sorted pairs) and tile_ends (cumulative tiles of BLOCK_M): int32, on the device, no host sync."""
+    is_kept = (bank_rows >= 0) & (bank_rows < num_experts)
+    key = torch.where(is_kept, bank_rows, num_experts).to(torch.int32)
+    order = torch.argsort(key, stable=True)
+    experts = torch.arange(num_experts, dtype=torch.int32, device=key.device)
+    ends = torch.searchsorted(key[order], experts, right=True)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    tile_ends = torch.cumsum(torch.div(counts + block_m - 1, block_m, rounding_mode="floor"), 0)
+    return key, order.int(), ends.int(), tile_ends.int()
+
+
+def _launch_gate_up(x: torch.Tensor, token_ids: torch.Tensor, order: torch.Tensor, ends: torch.Tensor,
+                    tile_ends: torch.Tensor, bank: ExpertWeights, h: torch.Tensor, block_m: int, grid_tiles: int,
+                    config: MoeGemmConfig) -> None:
+    math = bank.math
+    biases = _biases(math, bank)
+    block_n, block_k = _fit(config.block_n, bank.ff), _fit(config.block_k, bank.hidden)
+    _gate_up_kernel[(bank.ff // block_n, grid_tiles)](
+        x, x.stride(0), token_ids, order, ends, tile_ends, bank.num_experts, bank.gate, bank.gate.stride(0),
+        bank.gate.stride(1), bank.up, bank.up.stride(0), bank.up.stride(1), biases[0], biases[1],
+        math.alpha, math.limit, h, bank.hidden, bank.ff, GATE_FMT=int(bank.gate_type), UP_FMT=int(bank.up_type),
+        ACT=ACTIVATIONS[math.activation], GATE_BIAS=math.gate_bias is not None,
+        UP_BIAS=math.up_bias is not None, BM=block_m, BN=block_n, BK=block_k,
+        E_POW2=triton.next_power_of_2(bank.num_experts), INTERPRET=interpreting(), num_warps=config.num_warps,
+        num_stages=config.num_stages)
+
+
+def _launch_down(h: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
+                 tile_ends: torch.Tensor, bank: ExpertWeights, y: torch.Tensor, block_m: int, grid_tiles: int,
+                 config: MoeGemmConfig) -> None:
+    bias = _biases(bank.math, bank)[2]
+    block_n, block_k = _fit(config.block_n, bank.hidden), _fit(config.block_k, bank.ff)
+    _down_kernel[(bank.hidden // block_n, grid_tiles)](
+        h, order, weights, ends, tile_ends, bank.num_experts, bank.down, bank.down.stride(0), bank.down.stride(1),
+        bias, y, bank.hidden, bank.ff, BIAS=bank.math.down_bias is not None, DOWN_FMT=int(bank.down_type),
+        BM=block_m, BN=block_n, BK=block_k, E_POW2=triton.next_power_of_2(bank.num_experts),
+        INTERPRET=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _fit(block: int, size: int) -> int:
+    """The largest block <= `block`, halving, that divides `size` (at least 16: sizes are multiples of 16)."""
+    while block > 16 and size % block:
+        block //= 2
+    return block
+
+
+def _biases(math: ExpertMath, bank: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate, up and down biases (float32, contiguous, checked), or the bank's bytes as an unread stand-in."""
+    return tuple(bank.gate if t is None else t for t in (math.gate_bias, math.up_bias, math.down_bias))  # type: ignore[return-value]
+
+
+def _check(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
+           bank: ExpertWeights) -> None:
+    device, num_pairs = x.device, token_ids.shape[0]
+    check_rows("x", x, (x.shape[0], bank.hidden), FLOAT_DTYPES, device)
+    check_vector("token_ids", token_ids, num_pairs, INDEX_DTYPES, device)
+    check_vector("bank_rows", bank_rows, num_pairs, INDEX_DTYPES, device)
+    check_vector("weights", weights, num_pairs, FLOAT_DTYPES, device)
+    for name in ("gate", "up", "down"):
+        check_device(name, getattr(bank, name), device)
+        qtype = getattr(bank, f"{name}_type")
+        if not has_kernel(qtype):
+            raise ValueError(f"{name}: no tile kernel for {qtype.name} (formats: {[t.name for t in FORMATS]})")
+    if bank.hidden % GROUP or bank.ff % GROUP:
+        raise ValueError(f"hidden {bank.hidden} and ff {bank.ff} must be multiples of {GROUP}")
+    math = bank.math
+    for name, cols in (("gate_bias", bank.ff), ("up_bias", bank.ff), ("down_bias", bank.hidden)):
+        bias = getattr(math, name)
+        if bias is not None:
+            check_device(name, bias, device)
+            if bias.dtype != torch.float32 or tuple(bias.shape) != (bank.num_experts, cols) \
+                    or not bias.is_contiguous():
+                raise ValueError(f"{name}: expected contiguous float32 {(bank.num_experts, cols)}, got "
+                                 f"{bias.dtype} {tuple(bias.shape)}")
