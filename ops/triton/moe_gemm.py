@@ -268,7 +268,8 @@ def expert_ffn_moe_gemm(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: tor
     y = torch.empty((num_pairs, bank.hidden), dtype=torch.float32, device=device)
     _launch_down(h, order, weights, ends, tile_ends, bank, y, block_m, grid_tiles, config)
     by_token = torch.argsort(token_ids, stable=True)
-    token_ends = torch.searchsorted(token_ids[by_token], torch.arange(x.shape[0], device=device), right=True)
+    tokens = torch.arange(x.shape[0], dtype=token_ids.dtype, device=device)
+    token_ends = torch.searchsorted(token_ids[by_token], tokens, right=True)
     _sum_kernel[(x.shape[0], triton.cdiv(bank.hidden, SUM_COLS))](
         y, by_token.int(), token_ends.int(), key, bank.num_experts, out, bank.hidden, BH=SUM_COLS)
     return out
