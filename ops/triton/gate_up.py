@@ -15,7 +15,7 @@ from ops.triton.stage import COPY_BLOCK, Fill, fill_rows2
 from ops.triton.tables import ExpertTables
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}  # the kernel's ACT code of each `ExpertMath.activation`
-GELU_SCALE = 2 * (2 / 3.141592653589793) ** 0.5  # gelu_tanh(g) = g * sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3))
+GELU_SCALE = tl.constexpr(2 * (2 / 3.141592653589793) ** 0.5)  # gelu_tanh(g) = g sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3))
 
 
 @triton.jit
