@@ -445,7 +445,7 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
         wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K, BT, TWO, ((K // 32) | 8) & (-((K // 32) | 8)))
     else:
-        tl.static_assert((FMT == Q8_0) | (FMT == Q4_0), "rows_dot: no kernel for this format")
+        tl.static_assert(FMT == Q8_0 or FMT == Q4_0, "rows_dot: no kernel for this format")
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         # blocks a step: the largest of 8, 4, 2, 1 that divides the row (lowest set bit of n | 8); the same below

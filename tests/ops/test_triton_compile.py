@@ -1,0 +1,77 @@
+"""The grouped expert kernels compile for the H200 (sm90) on a machine without a GPU.
+
+Triton's interpreter runs the kernels' semantics on the CPU (tests/ops/test_triton_experts.py) but lets through what
+only the compiler refuses (a global that is not a constexpr, a type that differs between branches): here each
+kernel variant the engine launches is compiled to a cubin for sm90, as the device would at its first launch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
+
+from gguf import GGMLQuantizationType as QType  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ops.triton.down import _down_kernel  # noqa: E402
+from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
+from ops.triton.prepare import _prepare_kernel  # noqa: E402
+from ops.triton.qdot import KERNEL_TYPES  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+POINTER_DTYPES = {"fill_flags": "*i8", "x": "*bf16"}  # the rest: float32 data, int64 ids and address tables
+INT64 = {"token_ids", "expert_ids", "gate_ptrs", "up_ptrs", "down_ptrs", "host_gate_ptrs", "host_up_ptrs",
+         "host_down_ptrs"}
+FLOAT32 = {"x_gate", "x_up", "x_sums", "h", "hs", "gate_biases", "up_biases", "down_biases", "weights", "y", "out",
+           "sums"}
+
+
+def compile_for_sm90(kernel: Any, scalars: dict[str, str], constexprs: dict[str, object]) -> None:
+    def kind(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name in scalars:
+            return scalars[name]
+        return POINTER_DTYPES.get(name) or ("*i64" if name in INT64 else "*fp32" if name in FLOAT32 else "i32")
+
+    signature = {name: kind(name) for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(source, target=SM90, options={"num_warps": 2})
+    assert compiled.asm.get("cubin"), "no cubin"
+
+
+def has_cuda_backend() -> bool:
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return False
+    return "nvidia" in backends
+
+
+needs_backend = pytest.mark.skipif(not has_cuda_backend(), reason="triton has no CUDA backend to compile with")
+# every format with the plain math; the 32-block formats and the Q4_K_M layout with every activation and biases
+VARIANTS = [(t, "silu", False) for t in KERNEL_TYPES] + \
+    [(t, act, True) for t in (QType.Q4_0, QType.MXFP4, QType.Q4_K) for act in ACTIVATIONS]
+
+
+@needs_backend
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].name}-{v[1]}{'-biases' if v[2] else ''}")
+def test_gate_up_and_down_compile_for_sm90(variant: tuple[QType, str, bool]) -> None:
+    qtype, activation, biases = variant
+    hidden, ff = (2048, 768) if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else (2880, 704)
+    compile_for_sm90(_gate_up_kernel, {"alpha": "fp32", "limit": "fp32"},
+                     dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BT=1, BR=16,
+                          WINDOW=64, GROUP=16, FILL=True, COPY=1024, ACT=ACTIVATIONS[activation], BIAS=biases))
+    compile_for_sm90(_down_kernel, {}, dict(DOWN_FMT=int(qtype), FF=ff, BT=2, BR=32, WINDOW=64, FILL=True,
+                                            COPY=1024, BIAS=biases))
+
+
+@needs_backend
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_prepare_compiles_for_sm90(qtype: QType) -> None:
+    compile_for_sm90(_prepare_kernel, {}, dict(FMT=int(qtype), BLOCK=1024, GROUP=16))
