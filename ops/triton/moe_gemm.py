@@ -19,7 +19,8 @@ multiple of 16 dividing K: a K-quant super-block may span several K steps, its s
 
 The tile schedule needs no host sync: the grid has an upper bound of tiles, `cdiv(pairs, BLOCK_M) +
 experts`; a program finds its expert from the per-expert tile counts (computed on the device) and exits
-if it has none. Formats: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (`has_kernel`), any mix over gate, up and down.
+if it has none. Formats: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (`has_kernel`: those of the decode kernels,
+`ops.triton.qdot`), any mix over gate, up and down; every `ExpertMath`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ops.expert_math import ExpertMath
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows, check_vector, interpreting
 from ops.triton.dequant import _byte, _f16_at, _float, _scale_min_k4
 from ops.triton.gate_up import ACTIVATIONS, _activation
+from ops.triton.qdot import _e2m1_times, _e8m0_half
 from ops.triton.tables import QType
 
 Q4_0 = tl.constexpr(int(QType.Q4_0))
@@ -42,7 +44,8 @@ Q8_0 = tl.constexpr(int(QType.Q8_0))
 Q4_K = tl.constexpr(int(QType.Q4_K))
 Q5_K = tl.constexpr(int(QType.Q5_K))
 Q6_K = tl.constexpr(int(QType.Q6_K))
-FORMATS = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+MXFP4 = tl.constexpr(int(QType.MXFP4))
+FORMATS = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.MXFP4)
 GROUP = 16  # weights sharing one scale, in every format above
 SUM_COLS = 256  # columns per program of the per-token sum
 
@@ -123,6 +126,14 @@ def _q4_0(base, rows, g, c):
 
 
 @triton.jit
+def _mxfp4(base, rows, g, c):
+    """MXFP4 (blocks of 32: e8m0 e, 16 bytes of e2m1 codes): weight 16h + c is nibble h of byte c.
+    w = 2**(e - 128) * doubled e2m1, exact in bf16 (codes of 4 significant bits)."""
+    blk = rows + (g // 2) * 17
+    return _e2m1_times(_byte(base + (blk + 1 + c)) >> 4 * (g % 2), 0x4B000000, _e8m0_half(_byte(base + blk)))
+
+
+@triton.jit
 def _weight_tile(base, rows, k, BN: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
     """Weights [k, k + BK) of the rows -> bf16 `[BN, BK]`."""
     g = k // 16 + tl.arange(0, BK // 16)[None, :, None]
@@ -133,6 +144,8 @@ def _weight_tile(base, rows, k, BN: tl.constexpr, BK: tl.constexpr, FMT: tl.cons
         w = _q6_k(base, rows, g, c)
     elif FMT == Q8_0:
         w = _q8_0(base, rows, g, c)
+    elif FMT == MXFP4:
+        w = _mxfp4(base, rows, g, c)
     else:
         tl.static_assert(FMT == Q4_0, "moe_gemm: no tile kernel for this format")
         w = _q4_0(base, rows, g, c)

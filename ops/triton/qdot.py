@@ -386,9 +386,13 @@ def _mxfp4_load(start, c, j):
     """Code bytes `[BR, NB, 16]` (byte j of block c: weights 32c + j, low nibble, and 32c + 16 + j) and the block's
     scale 2**(e - 128) (subnormal below e = 2, as ggml's e8m0 half), the same along j."""
     codes = tl.load(start[:, None, None] + 17 * c + 1 + j).to(tl.int32)
-    e = tl.load(start[:, None, None] + 17 * c + 0 * j).to(tl.int32)
-    scale = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-    return codes, scale
+    return codes, _e8m0_half(tl.load(start[:, None, None] + 17 * c + 0 * j).to(tl.int32))
+
+
+@triton.jit
+def _e8m0_half(e):
+    """An e8m0 scale byte (int32) -> 2**(e - 128), subnormal below e = 2 (ggml's e8m0 half)."""
+    return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

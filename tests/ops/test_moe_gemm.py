@@ -156,6 +156,7 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_covers_only_the_tile_formats() -> None:
     generator = torch.Generator().manual_seed(0)
     assert covers(random_bank(Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), 1), generator))
+    assert covers(random_bank(Case((QType.MXFP4, QType.Q4_0, QType.Q5_K), 1), generator))
     assert not covers(random_bank(Case((QType.Q4_K, QType.Q4_K, QType.IQ4_XS), 1), generator))
 
 
@@ -172,7 +173,7 @@ CUDA = torch.device("cuda")
 # Qwen3-30B-A3B: 128 experts of gate/up [768 x 2048], down [2048 x 768]; a 512-token prompt, top-8
 QWEN3 = dict(hidden=2048, ff=768, num_experts=128, top_k=8, config=MoeGemmConfig())
 FORMATS: list[Types] = [(QType.Q4_K,) * 3, (QType.Q6_K,) * 3, (QType.Q8_0,) * 3, (QType.Q4_K, QType.Q4_K, QType.Q6_K),
-                        (QType.Q5_K, QType.Q4_0, QType.Q8_0)]
+                        (QType.Q5_K, QType.Q4_0, QType.Q8_0), (QType.MXFP4,) * 3]
 
 
 def seed() -> int:
@@ -196,7 +197,7 @@ def test_tile_sizes(block_m: int) -> None:
 @pytest.mark.parametrize("math", [("silu", True), ("gelu", True), ("swiglu_oai", True), ("swiglu_oai", False)],
                          ids=lambda m: f"{m[0]}{'-biases' if m[1] else ''}")
 def test_every_expert_math(math: tuple[str, bool]) -> None:
-    case = Case((QType.Q4_0, QType.Q8_0, QType.Q4_0), num_tokens=64, hidden=512, ff=256, num_experts=16, top_k=4,
+    case = Case((QType.Q4_0, QType.MXFP4, QType.Q4_0), num_tokens=64, hidden=512, ff=256, num_experts=16, top_k=4,
                 activation=math[0], biases=math[1])
     run_case(case, CUDA, seed())
 
@@ -250,6 +251,9 @@ INTERPRETER_CASES = [
     Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=12, top_k=4, activation="gelu", biases=True, config=WIDE),
     Case((QType.Q8_0, QType.Q4_0, QType.Q8_0), num_tokens=10, top_k=2, activation="swiglu_oai", biases=True,
          config=WIDE),
+    # gpt-oss's experts: MXFP4 with the clamped SwiGLU and biases; a block over two K steps
+    Case((QType.MXFP4,) * 3, num_tokens=10, top_k=2, activation="swiglu_oai", biases=True,
+         config=MoeGemmConfig(block_m=16, block_n=256, block_k=16)),
 ]
 CPU = torch.device("cpu")
 INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens} top_k={c.top_k} {c.activation}"
