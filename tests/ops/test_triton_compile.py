@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QType  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from ops.triton import moe_gemm  # noqa: E402
 from ops.triton.down import _down_kernel  # noqa: E402
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
@@ -30,18 +31,19 @@ FLOAT32 = {"x_gate", "x_up", "x_sums", "h", "hs", "gate_biases", "up_biases", "d
            "sums"}
 
 
-def compile_for_sm90(kernel: Any, scalars: dict[str, str], constexprs: dict[str, object]) -> None:
+def compile_for_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 2) -> None:
+    """`types`: the arguments whose types differ from the defaults below (by name)."""
     def kind(name: str) -> str:
         if name in constexprs:
             return "constexpr"
-        if name in scalars:
-            return scalars[name]
+        if name in types:
+            return types[name]
         return POINTER_DTYPES.get(name) or ("*i64" if name in INT64 else "*fp32" if name in FLOAT32 else "i32")
 
     signature = {name: kind(name) for name in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(source, target=SM90, options={"num_warps": 2})
+    compiled = triton.compile(source, target=SM90, options={"num_warps": num_warps})
     assert compiled.asm.get("cubin"), "no cubin"
 
 
@@ -75,3 +77,29 @@ def test_gate_up_and_down_compile_for_sm90(variant: tuple[QType, str, bool]) -> 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_prepare_compiles_for_sm90(qtype: QType) -> None:
     compile_for_sm90(_prepare_kernel, {}, dict(FMT=int(qtype), BLOCK=1024, GROUP=16))
+
+
+# the fused prefill GEMMs (`ops.triton.moe_gemm`): every format with the plain math, gpt-oss's and Gemma's maths
+MOE_GEMM_TYPES = {"x": "*bf16", "h": "*bf16", "gate": "*u8", "up": "*u8", "down": "*u8", "order": "*i32",
+                  "ends": "*i32", "tile_ends": "*i32", "by_token": "*i32", "token_ends": "*i32", "key": "*i32",
+                  "gate_bias": "*fp32", "up_bias": "*fp32", "down_bias": "*fp32", "alpha": "fp32", "limit": "fp32"}
+MOE_GEMM_VARIANTS = [(t, "silu", False) for t in moe_gemm.FORMATS] + \
+    [(QType.MXFP4, "swiglu_oai", True), (QType.Q4_K, "gelu", True)]
+
+
+@needs_backend
+@pytest.mark.parametrize("variant", MOE_GEMM_VARIANTS, ids=lambda v: f"{v[0].name}-{v[1]}{'-biases' if v[2] else ''}")
+def test_moe_gemm_compiles_for_sm90(variant: tuple[QType, str, bool]) -> None:
+    qtype, activation, biases = variant
+    config = moe_gemm.MoeGemmConfig()
+    tiles = dict(BM=32, BN=config.block_n, BK=config.block_k, E_POW2=128, INTERPRET=False)
+    compile_for_sm90(moe_gemm._gate_up_kernel, MOE_GEMM_TYPES,
+                     dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), ACT=ACTIVATIONS[activation], GATE_BIAS=biases,
+                          UP_BIAS=biases, **tiles), config.num_warps)
+    compile_for_sm90(moe_gemm._down_kernel, MOE_GEMM_TYPES, dict(BIAS=biases, DOWN_FMT=int(qtype), **tiles),
+                     config.num_warps)
+
+
+@needs_backend
+def test_moe_gemm_sum_compiles_for_sm90() -> None:
+    compile_for_sm90(moe_gemm._sum_kernel, MOE_GEMM_TYPES, dict(BH=moe_gemm.SUM_COLS))
