@@ -1,42 +1,57 @@
 """The fused prefill expert GEMMs (`ops.triton.moe_gemm`) against the dequantize + grouped GEMM path
-(`ops.grouped_gemm`) on one Qwen3-30B-A3B layer (128 experts, gate/up [768 x 2048], down [2048 x 768]; Q4_K
-gate/up with Q4_K or Q6_K down, as in Q4_K_M files) at 512 and 2048 tokens x top-8: median milliseconds of
-`repeats` runs (CUDA events), the layer's tokens/s, the relative difference of the two outputs, and a sweep of
-the fused kernels' tiles. Decides `MOECACHE_PREFILL_EXPERTS`'s default.
-Usage: python3 .ci/gpu-moe-gemm.py [repeats]  (needs CUDA)"""
+(`ops.grouped_gemm`) on one Qwen3-30B-A3B layer (128 experts, gate/up [768 x 2048], down [2048 x 768]) in each
+format (Q4_K_M's mix first, then every format of the fused kernels in all three matrices) at 512 and 2048 tokens x
+top-8: a table of median milliseconds of `repeats` runs (CUDA events), the speedup and the relative difference of
+the two outputs; then, while time is left, a few fused tile configs on the Q4_K_M layer. Decides
+`MOECACHE_PREFILL_EXPERTS`'s default. Starts no new format after `budget_s` seconds (a format costs a few seconds,
+most of it compiling), so that it ends within a minute on an H200.
+Usage: python3 .ci/gpu-moe-gemm.py [repeats=10] [budget_s=40]  (needs CUDA)"""
 
-import os
-import statistics
-import sys
-from collections.abc import Callable
+import time
 
-import torch
+START = time.monotonic()
 
-from ops import quants
-from ops.bank import ExpertWeights
-from ops.grouped_gemm import PREFILL_EXPERTS, expert_ffn_grouped_gemm
-from ops.quants import QType
-from ops.triton.moe_gemm import MoeGemmConfig, expert_ffn_moe_gemm
+import os  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import torch  # noqa: E402
+
+from ops import quants  # noqa: E402
+from ops.bank import ExpertWeights  # noqa: E402
+from ops.grouped_gemm import PREFILL_EXPERTS, expert_ffn_grouped_gemm  # noqa: E402
+from ops.quants import QType  # noqa: E402
+from ops.triton.moe_gemm import FORMATS, MoeGemmConfig, expert_ffn_moe_gemm  # noqa: E402
 
 HIDDEN, FF, EXPERTS, TOP_K = 2048, 768, 128, 8
+TOKENS = (512, 2048)
 CUDA = torch.device("cuda")
-SWEEP = [MoeGemmConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s)
-         for m in (None, 32, 64) for n, k, w in ((64, 64, 8), (64, 128, 8), (128, 64, 8), (64, 64, 4))
-         for s in (2, 3)]
+# the most used first: the budget may cut the last ones
+ORDER = (QType.Q4_K, QType.MXFP4, QType.Q8_0, QType.Q6_K, QType.Q4_0, QType.Q5_K)
+LAYERS = [(QType.Q4_K, QType.Q4_K, QType.Q6_K)] + [(t, t, t) for t in sorted(FORMATS, key=ORDER.index)]
+SWEEP = [MoeGemmConfig(block_n=128), MoeGemmConfig(block_k=128), MoeGemmConfig(num_warps=4),
+         MoeGemmConfig(num_stages=3)]
+Pairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def bank(down_type: QType) -> ExpertWeights:
-    generator = torch.Generator().manual_seed(0)
+def elapsed() -> float:
+    return time.monotonic() - START
+
+
+def bank(types: tuple[QType, QType, QType]) -> ExpertWeights:
+    generator = torch.Generator(device=CUDA).manual_seed(0)
 
     def projection(qtype: QType, rows: int, cols: int) -> torch.Tensor:
         blocks = cols // quants.format_of(qtype).block_size
-        return quants.random_blocks(qtype, EXPERTS * rows * blocks, generator).view(EXPERTS, rows, -1).to(CUDA)
+        return quants.random_blocks(qtype, EXPERTS * rows * blocks, generator).view(EXPERTS, rows, -1)
 
-    return ExpertWeights(projection(QType.Q4_K, FF, HIDDEN), projection(QType.Q4_K, FF, HIDDEN),
-                         projection(down_type, HIDDEN, FF), QType.Q4_K, QType.Q4_K, down_type, HIDDEN, FF)
+    gate_type, up_type, down_type = types
+    return ExpertWeights(projection(gate_type, FF, HIDDEN), projection(up_type, FF, HIDDEN),
+                         projection(down_type, HIDDEN, FF), gate_type, up_type, down_type, HIDDEN, FF)
 
 
-def routing(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing(num_tokens: int) -> Pairs:
     scores = torch.rand(num_tokens, EXPERTS, device=CUDA)
     rows = scores.topk(TOP_K, dim=1).indices.flatten()
     tokens = torch.arange(num_tokens, device=CUDA).repeat_interleave(TOP_K)
@@ -56,6 +71,10 @@ def median_ms(run: Callable[[], torch.Tensor], repeats: int) -> float:
     return statistics.median(times)
 
 
+def name(layer: ExpertWeights) -> str:
+    return "/".join(t.name for t in (layer.gate_type, layer.up_type, layer.down_type))
+
+
 def compare(layer: ExpertWeights, num_tokens: int, repeats: int) -> None:
     x = torch.randn(num_tokens, HIDDEN, device=CUDA).bfloat16()
     pairs = routing(num_tokens)
@@ -63,22 +82,41 @@ def compare(layer: ExpertWeights, num_tokens: int, repeats: int) -> None:
     fused = median_ms(lambda: expert_ffn_moe_gemm(x, *pairs, layer), repeats)
     a, b = expert_ffn_grouped_gemm(x, *pairs, layer), expert_ffn_moe_gemm(x, *pairs, layer)
     difference = ((a - b).norm() / a.norm()).item()
-    print(f"Q4_K/{layer.down_type.name} down, {num_tokens} tokens: dequant {dequant:.3f} ms, fused {fused:.3f} ms "
-          f"({num_tokens / fused * 1e3:,.0f} tok/s a layer), x{dequant / fused:.2f}, "
-          f"relative difference {difference:.1e}", flush=True)
-    sweep = [(median_ms(lambda c=c: expert_ffn_moe_gemm(x, *pairs, layer, c), repeats), c) for c in SWEEP]
-    for ms, config in sorted(sweep, key=lambda s: s[0])[:3]:
-        print(f"    {ms:.3f} ms  {config}", flush=True)
+    print(f"{name(layer):<16} {num_tokens:>6} {dequant:>11.3f} {fused:>9.3f} {dequant / fused:>7.2f}x "
+          f"{difference:>9.1e} {elapsed():>6.1f}", flush=True)
 
 
-def main(repeats: int) -> None:
+def sweep(layer: ExpertWeights, num_tokens: int, repeats: int, budget_s: float) -> None:
+    x = torch.randn(num_tokens, HIDDEN, device=CUDA).bfloat16()
+    pairs = routing(num_tokens)
+    for config in SWEEP:
+        if elapsed() > budget_s:
+            return
+        ms = median_ms(lambda c=config: expert_ffn_moe_gemm(x, *pairs, layer, c), repeats)
+        print(f"  sweep {name(layer)} {num_tokens} tokens: {ms:.3f} ms  {config}", flush=True)
+
+
+def main(repeats: int, budget_s: float) -> None:
     os.environ[PREFILL_EXPERTS] = "dequant"  # expert_ffn_grouped_gemm: the dequantize path
-    for down_type in (QType.Q4_K, QType.Q6_K):
-        layer = bank(down_type)
-        for num_tokens in (512, 2048):
+    print(f"{'format g/u/d':<16} {'tokens':>6} {'dequant ms':>11} {'fused ms':>9} {'speedup':>8} "
+          f"{'rel diff':>9} {'t (s)':>6}", flush=True)
+    skipped = []
+    for types in LAYERS:
+        if elapsed() > budget_s:
+            skipped.append("/".join(t.name for t in types))
+            continue
+        layer = bank(types)
+        for num_tokens in TOKENS:
             compare(layer, num_tokens, repeats)
+    if skipped:
+        print(f"out of time ({budget_s:.0f} s), skipped: {', '.join(skipped)}", flush=True)
+    if elapsed() < budget_s:
+        layer = bank(LAYERS[0])
+        for num_tokens in TOKENS:
+            sweep(layer, num_tokens, repeats, budget_s)
+    print(f"done in {elapsed():.1f} s", flush=True)
 
 
 if __name__ == "__main__":
     assert torch.cuda.is_available(), "needs CUDA"
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 20)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10, float(sys.argv[2]) if len(sys.argv) > 2 else 40.0)
