@@ -27,6 +27,7 @@ from engine.expert_cache.observers import CacheObservers
 from engine.expert_cache.placement import Placement, choose_placement
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
 from engine.expert_cache.profile import Profile
+from engine.expert_cache.ram_tier import RamTier, default_host_cache_bytes
 from engine.expert_cache.record import StepRecord
 from engine.expert_cache.split import Split, measure_link_gbps
 from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot
@@ -39,8 +40,8 @@ log = logging.getLogger(__name__)
 class ExpertCache:
     def __init__(self, dispatcher: ExpertDispatcher, manager: CacheManager, observers: CacheObservers,
                  placement: Placement, plan: CachePlan, cfg: CacheConfig, stats: CacheStats, split: Split,
-                 cpu: CpuTasks | None) -> None:
-        self.dispatcher, self.manager, self.observers = dispatcher, manager, observers
+                 cpu: CpuTasks | None, tier: RamTier | None = None) -> None:
+        self.dispatcher, self.manager, self.observers, self.tier = dispatcher, manager, observers, tier
         self.placement, self.plan, self.cfg, self.stats, self.split, self.cpu = \
             placement, plan, cfg, stats, split, cpu
         self._pending: StepRecord | None = None
@@ -119,13 +120,16 @@ class ExpertCache:
             return f"experts: {p.reason}"
         return (f"experts: {p.reason}; {len(p.host_layers)} layers in host RAM, {len(p.resident_layers)} resident; "
                 f"cache {plan.cache_bytes / 2**20:.0f} MiB, {plan.num_slots} slots ({plan.share:.1%} of host "
-                f"experts), policy {self.cfg.policy}, misses on {self.cfg.miss_mode}{self.split.describe()}")
+                f"experts), policy {self.cfg.policy}, misses on {self.cfg.miss_mode}{self.split.describe()}"
+                + (f"; {self.tier.describe()}" if self.tier is not None else ""))
 
     def close(self) -> list[str]:
         self.flush()
         self.manager.close()
         if self.cpu is not None:
             self.cpu.close()
+        if self.tier is not None:
+            self.tier.close()
         if self.observers.profile is not None and self.cfg.profile_out:
             self.observers.profile.save(self.cfg.profile_out)
         return self.stats.summary_lines()
@@ -161,31 +165,50 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, max_tokens: int, mo
         if cfg.mode.streams:
             reserved_bytes += staging_bytes(store)
     placement = choose_placement(store.layer_bytes(), cfg, free, reserved_bytes)
+    if placement.disk_layers and device.type == "cuda":
+        raise ValueError(CUDA_DISK_MISSING)
     layers = [LayerExperts(i, hp.num_experts, hp.top_k, store.expert_bytes(i), bank_shape(store.mapped[i]))
               for i in placement.host_layers]
     plan = plan_cache(layers, placement.budget_bytes)
     for warning in plan.warnings:
         log.warning(warning)
     store.keep_resident(set(placement.resident_layers))
-    host = {i: store.host(i) for i in placement.host_layers}
+    stats = CacheStats(plan.cache_bytes, plan.num_slots)
+    tier = store.disk_tier(placement.disk_layers, host_cache_bytes(cfg), hp.top_k, stats) \
+        if placement.disk_layers else None
+    # NOTE: a disk layer's bank is the map's view (shapes, types, addresses): its bytes are read through the tier
+    host = {i: store.mapped[i] if i in placement.disk_layers else store.host(i) for i in placement.host_layers}
     resident = {i: store.resident(i) for i in placement.resident_layers}
     profile = Profile.load(cfg.profile_in) if cfg.profile_in else None
-    stats = CacheStats(plan.cache_bytes, plan.num_slots)
     rows = {layer: i for i, layer in enumerate(moe_layers)}
     device_path = on_device(device)
     cpu = CpuTasks(host, rows, max_tokens, hp.top_k, hp.hidden, device,
-                   cfg.cpu_threads or default_cpu_threads(device)) if cfg.mode.uses_cpu and host else None
+                   cfg.cpu_threads or default_cpu_threads(device), tier) if cfg.mode.uses_cpu and host else None
     cap = link_cap(cfg, device)
-    split = Split(cfg.mode, device, list(host.values())[:2], device_path, link_cap_gbps=cfg.link_gbps, cpu=cpu,
+    in_ram = [bank for i, bank in host.items() if i not in placement.disk_layers] or \
+        (list(tier.banks.values()) if tier is not None else [])  # what hybrid's start-up measurement may read
+    split = Split(cfg.mode, device, in_ram[:2], device_path, link_cap_gbps=cfg.link_gbps, cpu=cpu,
                   cached_share=plan.share)
     manager = CacheManager(host, plan, cfg, device, rows, len(moe_layers), hp.num_experts, stats, profile,
                            (split.share, split.lead), cap)
     dispatcher = ExpertDispatcher(host, resident, manager, cfg, device, moe_layers, hp.top_k, max_tokens, cpu,
-                                  device_path, cap)
+                                  device_path, cap, tier)
     observers = CacheObservers(stats, plan, moe_layers, list(placement.host_layers),
                                {i: store.expert_bytes(i) for i in placement.host_layers}, num_layers,
                                hp.num_experts, profile=cfg.profile_out is not None)
-    return ExpertCache(dispatcher, manager, observers, placement, plan, cfg, stats, split, cpu)
+    return ExpertCache(dispatcher, manager, observers, placement, plan, cfg, stats, split, cpu, tier)
+
+
+CUDA_DISK_MISSING = (
+    "--ssd-moe/--n-ssd-moe run on the CPU device only (--device cpu) for now: on CUDA the expert kernels read host "
+    "experts through pointer tables fixed between steps, while an expert on disk is known only once the router ran "
+    "inside the step. Missing: a per-layer host sync that reads the step's missed experts into the host-RAM tier and "
+    "publishes their slots' addresses in the host pointer table (`SlotTables.host`) before the layer's kernels run")
+
+
+def host_cache_bytes(cfg: CacheConfig) -> int:
+    """The host-RAM tier's size: `--host-cache-mib`, else half the available RAM at start-up."""
+    return cfg.host_cache_mib * 2**20 if cfg.host_cache_mib is not None else default_host_cache_bytes()
 
 
 def link_cap(cfg: CacheConfig, device: torch.device) -> LinkCap | None:

@@ -19,8 +19,9 @@ import torch
 
 from engine.config import CacheConfig
 from engine.expert_cache.cpu_tasks import CpuTasks
-from engine.expert_cache.device import LinkCap
+from engine.expert_cache.device import LinkCap, expert_parts
 from engine.expert_cache.manager import CacheManager, Change
+from engine.expert_cache.ram_tier import RamTier
 from engine.expert_cache.record import HIT, LANDED, ON_CPU, PAD, STAGED, RecordBuffers, StepRecord
 from engine.expert_cache.staging import LayerStager
 from engine.moe import flatten_pairs
@@ -38,8 +39,11 @@ class StepKind(enum.Enum):
 class ExpertDispatcher:
     def __init__(self, host: Mapping[int, ExpertWeights], resident: Mapping[int, ExpertWeights],
                  manager: CacheManager, cfg: CacheConfig, device: torch.device, moe_layers: list[int], top_k: int,
-                 max_tokens: int, cpu: CpuTasks | None, on_device: bool, cap: LinkCap | None = None) -> None:
+                 max_tokens: int, cpu: CpuTasks | None, on_device: bool, cap: LinkCap | None = None,
+                 tier: RamTier | None = None) -> None:
+        """tier: the layers of `host` whose experts are on disk (their banks there are the map's views, never read)."""
         self.host, self.resident, self.manager, self.cfg, self.device = host, resident, manager, cfg, device
+        self.tier = tier
         self.mode, self.top_k, self.cpu, self.cap = cfg.mode, top_k, cpu, cap
         self.rows = {layer: i for i, layer in enumerate(moe_layers)}
         self.record = RecordBuffers(len(moe_layers), max_tokens * top_k, device)
@@ -172,8 +176,9 @@ class ExpertDispatcher:
         host, pool = self.host[layer], self.manager.pools.get(self.manager.group_of[layer])
         landed = outcome == LANDED
         for e, s in set(zip(experts[landed].tolist(), slot[landed].tolist())):
-            for dst, src in zip((pool.gate, pool.up, pool.down), (host.gate, host.up, host.down)):  # type: ignore
-                dst[s] = src[e]
+            assert pool is not None, "landings are in a cached group's pool"
+            for dst, src in zip(expert_parts(pool, s), self._host_expert(layer, e)):
+                dst.copy_(src)
         out = torch.zeros(x.shape, dtype=torch.float32)
         in_pool = (outcome == HIT) | (outcome == LANDED)
         if bool(in_pool.any()):
@@ -182,11 +187,24 @@ class ExpertDispatcher:
                               self._pool_bank(pool, host, slot[in_pool], experts[in_pool]))
         staged = outcome == STAGED
         if bool(staged.any()):
-            out += expert_ffn(x, tokens[staged], experts[staged], pair_weights[staged], host)
+            out += self._host_ffn(layer, x, tokens[staged], experts[staged], pair_weights[staged])
         if self.cpu is not None and bool((outcome == ON_CPU).any()):
             self.cpu.run(layer)
             out += self.cpu.job.out[:x.shape[0]]
         return out.to(x.dtype)
+
+    def _host_ffn(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+        """Pairs computed from host memory where the device is the CPU: a disk layer's through the RAM tier."""
+        if self.tier is not None and layer in self.tier.layouts:
+            return self.tier.ffn(layer, x, token_ids, expert_ids, weights)
+        return expert_ffn(x, token_ids, expert_ids, weights, self.host[layer])
+
+    def _host_expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An expert's gate, up and down bytes in host memory (a disk layer's: in its RAM slot, read if needed)."""
+        if self.tier is not None and layer in self.tier.layouts:
+            return self.tier.expert(layer, expert)
+        return expert_parts(self.host[layer], expert)
 
     @staticmethod
     def _pool_bank(pool: ExpertWeights, host: ExpertWeights, slots: torch.Tensor,
@@ -208,7 +226,7 @@ class ExpertDispatcher:
         record = self.record.layer(row)[:n]
         record[:, 0], record[:, 1], record[:, 2] = ids, outcome, torch.where(outcome == HIT, slots, -1)
         if not self.on_device:
-            return expert_ffn(x, *flatten_pairs(expert_ids, weights), self.host[layer]).to(x.dtype)
+            return self._host_ffn(layer, x, *flatten_pairs(expert_ids, weights)).to(x.dtype)
         assert self.stager is not None, "the device stages host layers for large batches"
         bank = self.stager.bank(layer)
         if self._tensor_cores(x):
