@@ -167,6 +167,11 @@ def default_host_cache_bytes() -> int:
     return available_ram_bytes() // 2
 
 
+def ram_tier_slots(budget_bytes: int, slot_bytes: int, num_experts: int) -> int:
+    """The slots a budget buys: whole slots of the largest expert, no more than there are experts on disk."""
+    return min(budget_bytes // slot_bytes, num_experts)
+
+
 class RamTier:
     def __init__(self, layouts: Mapping[int, ExpertWeights], locate: Callable[[int], tuple[Path, int]],
                  budget_bytes: int, min_slots: int, stats: CacheStats, pin: bool = False) -> None:
@@ -175,8 +180,7 @@ class RamTier:
         self.layouts, self.stats = layouts, stats
         self.extents = {layer: Extents.of(bank, locate) for layer, bank in layouts.items()}
         self.slot_bytes = max(bank.expert_bytes for bank in layouts.values())
-        total = sum(bank.num_experts for bank in layouts.values())
-        num_slots = min(budget_bytes // self.slot_bytes, total)
+        num_slots = ram_tier_slots(budget_bytes, self.slot_bytes, sum(b.num_experts for b in layouts.values()))
         if num_slots < min_slots:
             need = -(-min_slots * self.slot_bytes // MiB)
             raise ValueError(f"the host-RAM tier of {budget_bytes / MiB:.0f} MiB holds {num_slots} experts of "
