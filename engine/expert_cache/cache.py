@@ -98,13 +98,18 @@ class ExpertCache:
 
     def usage_snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         """Recent use `[layers, experts]` (picks, decayed x0.95 per step) and where each expert is now:
-        2 resident on the device, 1 cached in a slot, 0 in host RAM only (-1: a dense layer)."""
+        2 resident on the device, 1 cached in a slot, 0 in host RAM only, -2 on disk only (`--ssd-moe`: not in the
+        host-RAM tier) (-1: a dense layer)."""
         usage = self.observers.usage
         where = np.full(usage.shape, -1, dtype=np.int8)
         where[list(self.placement.host_layers)] = 0
         where[list(self.placement.resident_layers)] = 2
         for layer in self.placement.host_layers:
             where[layer][self.manager.published[self.dispatcher.rows[layer]] >= 0] = 1
+        if self.tier is not None:
+            in_ram = set(self.tier.lru.residents())
+            for layer in self.tier.layouts:
+                where[layer][[(layer, e) not in in_ram and w == 0 for e, w in enumerate(where[layer])]] = -2
         return usage.copy(), where
 
     def snapshot(self) -> CacheStatsSnapshot:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -48,6 +49,9 @@ def test_experts_on_disk_give_the_same_tokens_as_in_ram(small_moe_gguf: Path, ca
     got, engine = greedy(small_moe_gguf, cache)
     snap, tier = engine.cache.snapshot(), engine.cache.tier
     assert tier is not None and engine.cache.placement.disk_layers == (0, 1, 2, 3)[:2 if cache.n_ssd_moe else 4]
+    _, where = engine.cache.usage_snapshot()  # the web page's cache view: on disk only (-2), or in RAM (0)
+    in_ram = {(int(layer), int(e)) for layer, e in zip(*np.nonzero(where == 0))}
+    assert (where == -2).any() and in_ram and in_ram <= set(tier.lru.residents())
     engine.close()
     assert got == expected
     assert snap.ram_misses > 0 and snap.disk_read_bytes == snap.ram_misses * tier.slot_bytes
