@@ -9,4 +9,5 @@ from engine.weights import DenseFFN
 
 
 def swiglu(x: torch.Tensor, ffn: DenseFFN) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, ffn.gate)) * F.linear(x, ffn.up), ffn.down)
+    gate, up = F.linear(x, ffn.gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, ffn.down)

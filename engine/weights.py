@@ -20,8 +20,7 @@ from ops.quants import dequantize, format_of
 
 @dataclass(frozen=True)
 class DenseFFN:
-    gate: torch.Tensor  # [ff, hidden]
-    up: torch.Tensor  # [ff, hidden]
+    gate_up: torch.Tensor  # [2 * ff, hidden]: gate, then up, one GEMV for both
     down: torch.Tensor  # [hidden, ff]
 
 
@@ -172,7 +171,7 @@ class WeightLoader:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
         if not ff:
             ff = self.gguf.tensor(t(gate)).shape[0]
-        return DenseFFN(self.dense(t(gate), (ff, hp.hidden)), self.dense(t(up), (ff, hp.hidden)),
+        return DenseFFN(torch.cat([self.dense(t(gate), (ff, hp.hidden)), self.dense(t(up), (ff, hp.hidden))]),
                         self.dense(t(down), (hp.hidden, ff)))
 
     def moe(self, i: int) -> MoE:

@@ -1,7 +1,7 @@
 """Routed-expert FFN of one MoE layer computed on the CPU from raw GGUF bytes.
 
-`expert_ffn_cpu` runs the C kernel of `ops/csrc/cpu_experts.c` (Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, F16, BF16,
-F32; AVX-512 VNNI, AVX2 or portable C, picked at compile time) in one call per layer, and falls back
+`expert_ffn_cpu` runs the C kernel of `ops/csrc/cpu_experts.c` (Q4_K, Q5_K, Q6_K, Q4_0, Q8_0, MXFP4, F16,
+BF16, F32; AVX-512 VNNI, AVX2 or portable C, picked at compile time) in one call per layer, and falls back
 to torch (row tiles dequantized with `ops.quants`) for other types or when no C compiler is present.
 The kernel runs on a persistent native worker pool (`NativeExperts.start_pool`) with the calling thread.
 The kernel computes the bank's `ExpertMath` (biases by expert id; silu, gpt-oss's clamped SwiGLU or the

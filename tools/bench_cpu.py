@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         (QType.Q5_K, QType.Q5_K),
         (QType.Q6_K, QType.Q6_K),
         (QType.Q8_0, QType.Q8_0),
+        (QType.Q4_0, QType.Q4_0),
         (QType.MXFP4, QType.MXFP4),
     )
     for qtype, down_type in layouts:

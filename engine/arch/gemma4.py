@@ -100,14 +100,14 @@ class Sandwich:
 
 @dataclass(frozen=True)
 class DenseMLP:
-    gate: torch.Tensor  # [ff, hidden]
-    up: torch.Tensor
+    gate_up: torch.Tensor  # [2 * ff, hidden]: gate, then up
     down: torch.Tensor  # [hidden, ff]
 
 
 def gelu_mlp(x: torch.Tensor, mlp: Any) -> torch.Tensor:
-    """`down(gelu_tanh(gate x) * up x)` of any FFN with gate, up and down matrices."""
-    return F.linear(F.gelu(F.linear(x, mlp.gate), approximate="tanh") * F.linear(x, mlp.up), mlp.down)
+    """`down(gelu_tanh(gate x) * up x)` of any FFN with stacked gate/up and down matrices."""
+    gate, up = F.linear(x, mlp.gate_up).chunk(2, dim=-1)
+    return F.linear(F.gelu(gate, approximate="tanh") * up, mlp.down)
 
 
 def load_attention(src: TensorSource, i: int, hp: HParams) -> GemmaAttention:
@@ -133,7 +133,7 @@ def load_sandwich(src: TensorSource, i: int, hp: HParams, is_moe: bool) -> Sandw
     if not is_moe:
         return Sandwich(norm("post_attn_norm"), norm("post_ffn_norm"), scale)
     ff = hp.dense_ff
-    mlp = DenseMLP(src.dense(t("gate"), (ff, hp.hidden)), src.dense(t("up"), (ff, hp.hidden)),
+    mlp = DenseMLP(torch.cat([src.dense(t("gate"), (ff, hp.hidden)), src.dense(t("up"), (ff, hp.hidden))]),
                    src.dense(t("down"), (hp.hidden, ff)))
     return Sandwich(norm("post_attn_norm"), norm("post_ffn_norm"), scale, mlp, norm("post_ffn_norm_1"),
                     norm("pre_ffn_norm_2"), norm("post_ffn_norm_2"))

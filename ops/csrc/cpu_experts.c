@@ -44,6 +44,7 @@ static const weight_fmt FORMATS[] = {
     {30, 1, 2, &ACT_F32, dot_bf16_rows},     {8, QK8_0, 34, &ACT_Q8_0, dot_q8_0_rows},
     {12, QK_K, 144, &ACT_K, dot_q4k_rows},   {13, QK_K, 176, &ACT_K, dot_q5k_rows},
     {14, QK_K, 210, &ACT_K, dot_q6k_rows},   {39, QK8_0, 17, &ACT_Q8_0, dot_mxfp4_rows},
+    {2, QK8_0, 18, &ACT_Q8_0, dot_q4_0_rows},
 };
 
 static const weight_fmt *find_format(int type) {

@@ -1,19 +1,25 @@
-/* Q8_0 and MXFP4 rows times two-plane int8 activation rows (act_q8_0 of quant.h), and F32/F16/BF16 rows times float
- * rows. Both int8 formats are 32 integer codes q and one scale d per block, w = d * q, so they share one dot:
+/* Q8_0, Q4_0 and MXFP4 rows times two-plane int8 activation rows (act_q8_0 of quant.h), and F32/F16/BF16 rows times
+ * float rows. The int8 formats are 32 integer codes q and one scale d per block, w = d * q, so they share one dot:
  *   Q8_0  34 B per 32 weights: fp16 d, int8 qs[32].
- *   MXFP4 17 B per 32 weights: e8m0 e, qs[16] (byte l: weight l in the low nibble, l + 16 in the high one);
- *         q = the e2m1 value of the nibble doubled (an integer, |q| <= 12, MXFP4_VALUES), d = 2^(e - 128).
+ *   Q4_0  18 B per 32 weights: fp16 d, qs[16] (byte l: weight l in the low nibble, l + 16 in the high one);
+ *         q = the nibble - 8 (Q4_0_VALUES).
+ *   MXFP4 17 B per 32 weights: e8m0 e, qs[16] as Q4_0's; q = the e2m1 value of the nibble doubled (an integer,
+ *         |q| <= 12, MXFP4_VALUES), d = 2^(e - 128).
+ * The two nibble formats (nib_* below) differ only in the scale byte(s) and the table a nibble is looked up in.
  */
 #ifndef MOECACHE_SIMPLE_H
 #define MOECACHE_SIMPLE_H
 
 #include "quant.h"
 
-enum { I8_Q8_0, I8_MXFP4 }; /* the int8-code block formats */
+enum { I8_Q8_0, I8_MXFP4, I8_Q4_0 }; /* the int8-code block formats */
 
 /* e2m1 values doubled, by nibble (ggml's kvalues_mxfp4) */
 static const int8_t MXFP4_VALUES[16] __attribute__((aligned(16))) = {0, 1, 2, 3, 4, 6, 8, 12,
                                                                      0, -1, -2, -3, -4, -6, -8, -12};
+/* nibble - 8 */
+static const int8_t Q4_0_VALUES[16] __attribute__((aligned(16))) = {-8, -7, -6, -5, -4, -3, -2, -1,
+                                                                    0,  1,  2,  3,  4,  5,  6,  7};
 
 /* e8m0 byte -> 2^(e - 128), subnormal below e = 2 (ggml_e8m0_to_fp32_half) */
 MC_INLINE float e8m0_half(uint8_t e) {
@@ -22,6 +28,11 @@ MC_INLINE float e8m0_half(uint8_t e) {
     memcpy(&f, &bits, 4);
     return f;
 }
+
+/* A nibble block: its bytes (the 16 bytes of nibbles last), its scale, its code table. */
+MC_INLINE int64_t nib_bytes(int kind) { return kind == I8_Q4_0 ? 18 : 17; }
+MC_INLINE float nib_d(const uint8_t *blk, int kind) { return kind == I8_Q4_0 ? fp16_to_fp32(blk) : e8m0_half(blk[0]); }
+MC_INLINE const int8_t *nib_values(int kind) { return kind == I8_Q4_0 ? Q4_0_VALUES : MXFP4_VALUES; }
 
 #if MC_SIMD == 2
 
@@ -55,20 +66,22 @@ MC_INLINE void q8_decode_one(const uint8_t *blk, q8_pair *p) {
     p->dw = _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(fp16_to_fp32(blk)));
 }
 
-/* MXFP4 blocks b, b+1 (where !two, b alone: zeros above) in q8_pair form: the nibbles in weight order, looked
- * up as |value| with the sign bit (bit 3) as the mask. */
-MC_INLINE void mxfp4_decode_pair(const uint8_t *blk, int two, q8_pair *p) {
-    const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 1)));
-    const __m256i hi = two ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 18)))
+/* Nibble blocks b, b+1 (where !two, b alone: zeros above) in q8_pair form: the nibbles in weight order, looked
+ * up as |value|, the mask where the value is negative (MXFP4: bit 3 set; Q4_0: clear). */
+MC_INLINE void nib_decode_pair(const uint8_t *blk, int two, int kind, q8_pair *p) {
+    const int64_t bytes = nib_bytes(kind), qs = bytes - 16;
+    const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + qs)));
+    const __m256i hi = two ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + bytes + qs)))
                            : _mm256_setzero_si256();
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     const __m512i idx = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
                                          _mm512_set1_epi8(0x0f));
-    const __m512i mags = _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)MXFP4_VALUES)));
+    const __m512i mags = _mm512_abs_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)nib_values(kind))));
     p->uq = _mm512_shuffle_epi8(mags, idx);
-    p->neg = _mm512_test_epi8_mask(idx, _mm512_set1_epi8(8));
-    p->dw = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(e8m0_half(blk[0])),
-                                 _mm512_set1_ps(two ? e8m0_half(blk[17]) : 0.0f));
+    p->neg = kind == I8_Q4_0 ? _mm512_testn_epi8_mask(idx, _mm512_set1_epi8(8))
+                             : _mm512_test_epi8_mask(idx, _mm512_set1_epi8(8));
+    p->dw = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(nib_d(blk, kind)),
+                                 _mm512_set1_ps(two ? nib_d(blk + bytes, kind) : 0.0f));
 }
 
 /* 64 (or, where !two, 32) activations with the sign of the weights they meet */
@@ -92,8 +105,8 @@ MC_INLINE void q8_dot_pair(const q8_pair *p, const uint8_t *a, int64_t n, int64_
 MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *const *acts, int nt, int64_t n,
                        int kind, q8_acc *acc) {
     q8_pair p;
-    if (kind == I8_MXFP4)
-        mxfp4_decode_pair(w + 17 * b, two, &p);
+    if (kind != I8_Q8_0)
+        nib_decode_pair(w + nib_bytes(kind) * b, two, kind, &p);
     else if (two)
         q8_decode_pair(w + 34 * b, &p);
     else
@@ -120,12 +133,12 @@ MC_INLINE __m256i i8_block(const uint8_t *w, int64_t k, int kind, float *d) {
         *d = fp16_to_fp32(w + 34 * k);
         return _mm256_loadu_si256((const __m256i *)(w + 34 * k + 2));
     }
-    const uint8_t *blk = w + 17 * k;
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 1)), m4 = _mm_set1_epi8(0x0f);
+    const uint8_t *blk = w + nib_bytes(kind) * k;
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + nib_bytes(kind) - 16)), m4 = _mm_set1_epi8(0x0f);
     const __m256i idx = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(raw, m4)),
                                                 _mm_and_si128(_mm_srli_epi16(raw, 4), m4), 1);
-    *d = e8m0_half(blk[0]);
-    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)MXFP4_VALUES)), idx);
+    *d = nib_d(blk, kind);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)nib_values(kind))), idx);
 }
 
 MC_INLINE void q8_step(const uint8_t *w, int64_t b, int two, const uint8_t *const *acts, int nt, int64_t n,
@@ -158,10 +171,10 @@ MC_INLINE const int8_t *i8_block(const uint8_t *w, int64_t k, int kind, int8_t b
         /* read through an int8_t pointer: GCC 12 -O3 vectorizes `(int8_t)u8 * s8` as unsigned */
         return (const int8_t *)(w + 34 * k + 2);
     }
-    const uint8_t *blk = w + 17 * k;
-    for (int l = 0; l < QK8_0 / 2; ++l)
-        buf[l] = MXFP4_VALUES[blk[1 + l] & 0x0f], buf[l + QK8_0 / 2] = MXFP4_VALUES[blk[1 + l] >> 4];
-    *d = e8m0_half(blk[0]);
+    const uint8_t *blk = w + nib_bytes(kind) * k, *qs = blk + nib_bytes(kind) - 16;
+    const int8_t *values = nib_values(kind);
+    for (int l = 0; l < QK8_0 / 2; ++l) buf[l] = values[qs[l] & 0x0f], buf[l + QK8_0 / 2] = values[qs[l] >> 4];
+    *d = nib_d(blk, kind);
     return buf;
 }
 
@@ -218,6 +231,7 @@ MC_INLINE void q8_rows(const rows_job *j, int64_t n, const int nm, const int nt,
 
 I8_ROWS_FN(dot_q8_0_rows, I8_Q8_0)
 I8_ROWS_FN(dot_mxfp4_rows, I8_MXFP4)
+I8_ROWS_FN(dot_q4_0_rows, I8_Q4_0)
 
 /* ---- float weights: activations stay float32 ---- */
 

@@ -15,15 +15,14 @@ from ops.triton.stage import COPY_BLOCK, Fill, fill_rows2
 from ops.triton.tables import ExpertTables
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}  # the kernel's ACT code of each `ExpertMath.activation`
-GELU_SCALE = tl.constexpr(2 * (2 / 3.141592653589793) ** 0.5)  # gelu_tanh(g) = g sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3))
 
 
 @triton.jit
 def _activation(gate, up, alpha, limit, ACT: tl.constexpr):
     if ACT == 0:
         value = gate * tl.sigmoid(gate) * up
-    elif ACT == 1:  # 0.5 g (1 + tanh(z)) = g sigmoid(2z)
-        value = gate * tl.sigmoid(GELU_SCALE * (gate + 0.044715 * gate * gate * gate)) * up
+    elif ACT == 1:  # gelu_tanh: 0.5 g (1 + tanh(z)) = g sigmoid(2z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+        value = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
     else:
         g = tl.minimum(gate, limit)
         value = g * tl.sigmoid(alpha * g) * (tl.minimum(tl.maximum(up, -limit), limit) + 1.0)

@@ -24,7 +24,7 @@ from ops.expert_ffn import expert_ffn, expert_ffn_reference, native_supports
 from ops.expert_math import ExpertMath
 
 # gate, up, down types; Q4_K gate/up + Q6_K down is the Q4_K_M layout, Q8_0 + Q4_K mixes two
-# activation formats in one layer; MXFP4 is gpt-oss's
+# activation formats in one layer; MXFP4 is gpt-oss's, Q4_0 Gemma 4's
 FORMATS = [
     (QType.Q4_K, QType.Q4_K, QType.Q4_K),
     (QType.Q5_K, QType.Q5_K, QType.Q5_K),
@@ -35,6 +35,8 @@ FORMATS = [
     (QType.F16, QType.BF16, QType.F32),
     (QType.MXFP4, QType.MXFP4, QType.MXFP4),
     (QType.MXFP4, QType.Q4_K, QType.MXFP4),
+    (QType.Q4_0, QType.Q4_0, QType.Q4_0),
+    (QType.Q4_0, QType.Q8_0, QType.MXFP4),
 ]
 # build flags -> the SIMD path they must select on an x86 machine with AVX-512 VNNI
 VARIANTS = {(): None, ("-mno-avx512f",): "avx2", ("-DMOECACHE_SCALAR",): "scalar"}
@@ -60,7 +62,8 @@ MATHS = {
     "gelu": ("gelu", "", 7.0),
     "gelu-gate-down-biases": ("gelu", "gd", 7.0),
 }
-MATH_FORMATS = [(QType.MXFP4, QType.MXFP4, QType.MXFP4), (QType.Q4_K, QType.Q4_K, QType.Q6_K)]
+MATH_FORMATS = [(QType.MXFP4, QType.MXFP4, QType.MXFP4), (QType.Q4_K, QType.Q4_K, QType.Q6_K),
+                (QType.Q4_0, QType.Q4_0, QType.Q4_0)]
 
 
 def with_math(w: ExpertWeights, name: str, seed: int) -> ExpertWeights:
@@ -177,10 +180,14 @@ def test_thread_count_does_not_change_the_result() -> None:
 @pytest.mark.parametrize(("types", "hidden", "ff"), [
     ((QType.Q8_0, QType.Q8_0, QType.Q8_0), 96, 160),  # odd block counts: the one-block tail of a pair
     ((QType.MXFP4, QType.MXFP4, QType.MXFP4), 96, 160),
+    ((QType.Q4_0, QType.Q4_0, QType.Q4_0), 96, 160),
+    ((QType.Q4_0, QType.Q4_0, QType.Q4_0), 352, 224),  # Gemma 4's 2816 x 704 over 8: 11 and 7 blocks a row
     ((QType.Q4_K, QType.Q5_K, QType.Q6_K), 256, 256),  # one super-block a row
 ])
-def test_short_rows_match_reference(types: tuple[QType, QType, QType], hidden: int, ff: int) -> None:
-    lib = kernel(())
+@pytest.mark.parametrize("flags", list(VARIANTS), ids=["native", "avx2", "scalar"])
+def test_short_rows_match_reference(types: tuple[QType, QType, QType], hidden: int, ff: int,
+                                    flags: tuple[str, ...]) -> None:
+    lib = kernel(flags)
     w = random_expert_weights(NUM_EXPERTS, hidden, ff, *types, seed=14)
     rng = np.random.default_rng(15)
     x = torch.from_numpy(rng.standard_normal((4, hidden), dtype=np.float32))

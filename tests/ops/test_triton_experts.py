@@ -385,8 +385,6 @@ INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_token
 INTERPRETER_CHECKS.append(("bf16 out", lambda seed: check_16bit_out(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
 INTERPRETER_CHECKS.append(("prepared x",
                            lambda seed: check_prepared_x(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
-INTERPRETER_CHECKS.append(("prepared x, MXFP4 with biases",
-                           lambda seed: check_prepared_x(INTERPRETER_CASES[6], torch.device("cpu"), seed)))
 
 
 @needs_no_cuda
