@@ -89,7 +89,7 @@ class CacheConfig:
         "flag": "--n-cpu-moe", "metavar": "N", "help": "routed experts of the first N MoE layers in host RAM"})
     ssd_moe: bool = field(default=False, metadata={  # every host layer's routed experts read from the GGUF file
         "flag": "--ssd-moe", "help": "keep every routed expert on disk (the GGUF file) behind a bounded host-RAM "
-        "tier: only the experts a step selects are read (CPU device)"})
+        "tier: only the experts a step selects are read"})
     n_ssd_moe: int = field(default=0, metadata={  # the first N MoE layers' experts on disk
         "flag": "--n-ssd-moe", "metavar": "N", "help": "routed experts of the first N MoE layers on disk behind the "
         "host-RAM tier"})

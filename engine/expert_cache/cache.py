@@ -170,8 +170,6 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, max_tokens: int, mo
         if cfg.mode.streams:
             reserved_bytes += staging_bytes(store)
     placement = choose_placement(store.layer_bytes(), cfg, free, reserved_bytes)
-    if placement.disk_layers and device.type == "cuda":
-        raise ValueError(CUDA_DISK_MISSING)
     layers = [LayerExperts(i, hp.num_experts, hp.top_k, store.expert_bytes(i), bank_shape(store.mapped[i]))
               for i in placement.host_layers]
     plan = plan_cache(layers, placement.budget_bytes)
@@ -195,20 +193,13 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, max_tokens: int, mo
     split = Split(cfg.mode, device, in_ram[:2], device_path, link_cap_gbps=cfg.link_gbps, cpu=cpu,
                   cached_share=plan.share)
     manager = CacheManager(host, plan, cfg, device, rows, len(moe_layers), hp.num_experts, stats, profile,
-                           (split.share, split.lead), cap)
+                           (split.share, split.lead), cap, tier)
     dispatcher = ExpertDispatcher(host, resident, manager, cfg, device, moe_layers, hp.top_k, max_tokens, cpu,
                                   device_path, cap, tier)
     observers = CacheObservers(stats, plan, moe_layers, list(placement.host_layers),
                                {i: store.expert_bytes(i) for i in placement.host_layers}, num_layers,
                                hp.num_experts, profile=cfg.profile_out is not None)
     return ExpertCache(dispatcher, manager, observers, placement, plan, cfg, stats, split, cpu, tier)
-
-
-CUDA_DISK_MISSING = (
-    "--ssd-moe/--n-ssd-moe run on the CPU device only (--device cpu) for now: on CUDA the expert kernels read host "
-    "experts through pointer tables fixed between steps, while an expert on disk is known only once the router ran "
-    "inside the step. Missing: a per-layer host sync that reads the step's missed experts into the host-RAM tier and "
-    "publishes their slots' addresses in the host pointer table (`SlotTables.host`) before the layer's kernels run")
 
 
 def host_cache_bytes(cfg: CacheConfig) -> int:

@@ -259,6 +259,13 @@ class RamTier:
             out += expert_ffn(x, token_ids[pick], rows[pick], weights[pick], self.bank(layer, chunk, slots))
         return out
 
+    def addresses(self, layer: int, slots: Sequence[int]) -> torch.Tensor:
+        """int64 `[3, len(slots)]`: where the gate, up and down bytes of the layer's experts in `slots` lie in host
+        memory (the device's host pointer table, `SlotTables.host`, points there on CUDA)."""
+        rows = torch.tensor(list(slots), dtype=torch.int64)
+        bank = self.banks[layer]
+        return torch.stack([t.data_ptr() + rows * t.stride(0) for t in (bank.gate, bank.up, bank.down)])
+
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The expert's gate, up and down bytes in its RAM slot (read if needed; valid until the next `load`)."""
         slot, bank = self.load(layer, [expert])[0], self.banks[layer]

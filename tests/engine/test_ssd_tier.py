@@ -1,18 +1,21 @@
-"""Routed experts on disk behind the host-RAM tier (`--ssd-moe`), on the CPU device: the same greedy tokens as
-with every expert in RAM, every miss mode; the tier's counts add up; and a model whose experts are three
-times the tier's budget runs in a process whose anonymous memory holds no more than the budget of them."""
+"""Routed experts on disk behind the host-RAM tier (`--ssd-moe`): the same greedy tokens as with every expert in
+RAM, every miss mode, on the CPU device and on CUDA; the tier's counts add up; a disk layer's misses are read once
+and the host pointer table the CUDA kernels stream from points at their RAM slots; and a model whose experts are
+three times the tier's budget runs in a process whose anonymous memory holds no more than the budget of them."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.gguf.reader import GGUFFile
@@ -24,8 +27,8 @@ MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
 
 
-def greedy(path: Path, cache: CacheConfig) -> tuple[dict[str, list[int]], LLMEngine]:
-    engine = LLMEngine(EngineConfig(model=ModelConfig(str(path), device="cpu", max_context=128), cache=cache,
+def greedy(path: Path, cache: CacheConfig, device: str = "cpu") -> tuple[dict[str, list[int]], LLMEngine]:
+    engine = LLMEngine(EngineConfig(model=ModelConfig(str(path), device=device, max_context=128), cache=cache,
                                     scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)))
     for i in range(3):
         engine.add_request(Request(f"r{i}", tuple(engine.tokenizer.encode(f"hello number {i}")),
@@ -56,6 +59,51 @@ def test_experts_on_disk_give_the_same_tokens_as_in_ram(small_moe_gguf: Path, ca
     assert got == expected
     assert snap.ram_misses > 0 and snap.disk_read_bytes == snap.ram_misses * tier.slot_bytes
     assert snap.disk_reads == 3 * snap.ram_misses  # gate, up, down: three ranges of three tensors
+
+
+def test_a_disk_layers_misses_are_read_once_and_the_host_table_points_at_their_ram_slots(
+        small_moe_gguf: Path) -> None:
+    """What a CUDA decode step does before a disk layer's kernels (`read_disk_misses`), run on the CPU device's
+    tables: the experts no slot holds are read into the tier, once; one a slot holds is not read; and the host
+    table's gate, up and down addresses hold the map's bytes of each expert read."""
+    engine = LLMEngine(EngineConfig(model=ModelConfig(str(small_moe_gguf), device="cpu", max_context=64),
+                                    cache=CacheConfig(ssd_moe=True, host_cache_mib=4, budget_mib=1, miss_mode="stream",
+                                                      policy="lru")))
+    dispatcher, tier = engine.cache.dispatcher, engine.cache.tier
+    assert tier is not None and not dispatcher.is_graph_safe
+    layer, tables = 1, engine.cache.manager.tables
+    row = dispatcher.rows[layer]
+    assert int(tables.host[row].abs().sum()) == 0  # no address before a read: never the map's
+    tables.state[row][5] = 0  # expert 5 in a VRAM slot: a hit, not read
+    dispatcher.read_disk_misses(layer, torch.tensor([[3, 5, 7, -1], [7, 3, 9, 5]]))
+    snap = engine.cache.snapshot()
+    assert set(tier.lru.residents()) == {(layer, 3), (layer, 7), (layer, 9)}
+    assert (snap.ram_hits, snap.ram_misses, snap.disk_read_bytes) == (0, 3, 3 * tier.slot_bytes)
+    mapped = engine.store.mapped[layer]
+    for e in (3, 7, 9):
+        for part, t in enumerate((mapped.gate, mapped.up, mapped.down)):
+            got = ctypes.string_at(int(tables.host[row, part, e]), t[e].numel())
+            assert got == t[e].numpy().tobytes(), (e, part)
+    assert int(tables.host[row, :, 5].abs().sum()) == 0
+    dispatcher.read_disk_misses(layer, torch.tensor([[9, 3, 5, 7]]))  # all in RAM (or a slot): no read
+    again = engine.cache.snapshot()
+    assert (again.ram_hits, again.ram_misses, again.disk_reads) == (3, 3, snap.disk_reads)
+    engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("miss_mode", ["stream", "cpu"])
+def test_experts_on_disk_give_the_same_tokens_on_cuda(small_moe_gguf: Path, miss_mode: str) -> None:
+    """On CUDA: misses streamed from the pinned tier's slots (read there first), CPU misses through the tier,
+    prompts staged from it; the tokens equal those with every expert pinned in RAM and the same cache."""
+    cache = CacheConfig(cpu_moe=True, budget_mib=1, miss_mode=miss_mode, policy="lru")
+    expected, reference = greedy(small_moe_gguf, cache, "cuda")
+    reference.close()
+    got, engine = greedy(small_moe_gguf, replace(cache, ssd_moe=True, host_cache_mib=1), "cuda")
+    snap = engine.cache.snapshot()
+    engine.close()
+    assert got == expected
+    assert snap.ram_misses > 0 and snap.disk_read_bytes > 0
 
 
 @dataclass
