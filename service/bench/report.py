@@ -57,7 +57,8 @@ def _phase_json(p: Phase) -> dict[str, Any]:
             "streamed_bytes_per_token": p.per_token(c.streamed_bytes),
             "cpu_experts_per_token": p.per_token(c.cpu_experts),
             "cpu_seconds_per_token": p.per_token(c.cpu_seconds),
-            "disk_read_bytes_per_token": p.per_token(c.disk_read_bytes)}
+            "disk_read_bytes_per_token": p.per_token(c.disk_read_bytes),
+            "ram_tier_hit_ratio": c.ram_hits / (c.ram_hits + c.ram_misses) if c.ram_hits + c.ram_misses else 0.0}
 
 
 def _result_json(r: ConfigResult | Skipped) -> dict[str, Any]:

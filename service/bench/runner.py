@@ -65,11 +65,13 @@ class CacheDelta:
     promotions: float = 0  # experts taken into the cache: landed misses and uploads
     cpu_seconds: float = 0.0  # the CPU's time on missed experts
     disk_read_bytes: float = 0  # experts read from the GGUF file into the host-RAM tier (--ssd-moe)
+    ram_hits: float = 0  # experts a disk layer found in the host-RAM tier
+    ram_misses: float = 0  # and those it read from the file
 
     @classmethod
     def of(cls, s: CacheStatsSnapshot) -> CacheDelta:
         return cls(s.hits(), s.misses(), s.uploaded_bytes, s.streamed_bytes, s.cpu_experts, s.promotions,
-                   s.cpu_seconds, s.disk_read_bytes)
+                   s.cpu_seconds, s.disk_read_bytes, s.ram_hits, s.ram_misses)
 
     def minus(self, earlier: CacheDelta) -> CacheDelta:
         return CacheDelta(*(a - b for a, b in zip(_values(self), _values(earlier))))
@@ -81,7 +83,7 @@ class CacheDelta:
 
 def _values(d: CacheDelta) -> tuple[float, ...]:
     return (d.hits, d.misses, d.uploaded_bytes, d.streamed_bytes, d.cpu_experts, d.promotions, d.cpu_seconds,
-            d.disk_read_bytes)
+            d.disk_read_bytes, d.ram_hits, d.ram_misses)
 
 
 @dataclass(frozen=True)
