@@ -168,7 +168,9 @@ def test_a_model_three_times_the_ram_budget_holds_only_the_budget(tmp_path: Path
           f"in RAM {ram.anon / MiB:.0f}, {ram.file / MiB:.0f}, {ram.map / MiB:.0f}; on disk {disk.anon / MiB:.0f}, "
           f"{disk.file / MiB:.0f}, {disk.map / MiB:.0f}")
     assert on_disk == in_ram  # greedy: the same tokens
-    margin = ram.anon - dense_bytes + 32 * MiB  # the rest of the process, as measured, and 32 MiB of slack
+    # NOTE: the rest of the process is the in-RAM run's peak; two runs' peaks differ by up to ~80 MiB (the allocator's
+    # arenas), hence 128 MiB of slack, well under the 288 MiB more that every expert held in anonymous memory would add
+    margin = ram.anon - dense_bytes + 128 * MiB
     assert disk.anon <= budget + dense_bytes + margin, (disk, ram)
     # NOTE: the map's expert pages are never faulted in: the file's mapping holds its dense tensors (read once
     # at load) and what fault-around brings in beside them, never the experts
