@@ -12,7 +12,10 @@
 #      trip and a streamed miss's cost (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over
 #      quantized KV caches, captured and eager (.ci/gpu-qkv-probe.py), where the lease has time left.
 #   5: throughput as served: batched decode beside llama-batched-bench, moecache bench-serve over HTTP and gRPC.
-# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | 3 | 4 | 5
+#   6: issue 19 (~240 s): experts on disk (--ssd-moe, a host-RAM tier of 25% of the experts) against every expert
+#      in RAM, the same 25% cache, stream, batch 1; then decode at a 32k-token context with the KV cache in bf16,
+#      q8_0 and q4_0 (experts resident), as long as the stage's time lasts.
+# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | ... | 6
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LOGS=${LOGS:-/tmp/moecache-gpu}  # kept between the calls of one lease; packed into $OUT/gpu-logs.tgz at the end
@@ -88,5 +91,54 @@ case "$1" in
   BUDGET_S=100 RESIDENT_S=95 bash .ci/gpu-check resident
   PYTHONPATH=/tmp/site:$PWD timeout 240 python3 -m service.cli bench-serve -m /tmp/qwen3moe-30b-a3b.gguf \
     --clients 1,8,32 --gen-len 128 --join 4 --json "$LOGS/serve.json" 2>&1 | tee "$LOGS/serve.log" | grep -E "^\|"
+  ;;
+6)
+  # issue 19. (a) the same 25% VRAM cache (lru, stream, batch 1, synthetic qwen3 routing as the headline rows),
+  # every expert pinned in RAM (--n-cpu-moe 48) against every expert on disk behind a RAM tier of 25% of the
+  # experts' bytes (--ssd-moe --host-cache-mib); (b) decode at a 32k-token context, KV bf16 / q8_0 / q4_0.
+  # (c) the KLD of q8_0 and q4_0 KV against bf16 at a long context does not fit in this stage's ~240 s (a
+  # --kl-divergence-base run and one run per type, each loading the model and prefilling the context): not run.
+  M=/tmp/qwen3moe-30b-a3b.gguf
+  py() { PYTHONPATH=/tmp/site:$PWD python3 "$@"; }
+  left() { echo $((235 - SECONDS)); }  # seconds the stage has left
+  RAM_MIB=$(py -c "from engine.gguf.reader import GGUFFile; \
+print(sum(t.num_bytes for t in GGUFFile('$M') if '_exps' in t.name) // 4 >> 20)")
+  echo "== RAM tier: 25% of the routed experts = $RAM_MIB MiB" | tee "$LOGS/ssd.log"
+  ssd_bench() {  # NAME LIMIT ARGS...
+    local name=$1 seconds=$2; shift 2
+    PYTHONPATH=/tmp/site:$PWD timeout "$seconds" python3 -m service.cli bench -m $M --routing synthetic:qwen3 \
+      --budget-frac 0.25 --policy lru --miss-mode stream --batches 1 --prompt-len 64 --warmup-gen-len 100 \
+      --gen-len 64 --repeats 1 --json "$LOGS/$name.json" "$@" 2>&1 | tee -a "$LOGS/ssd.log" | grep -E "^\||rror"
+  }
+  ssd_bench ssd-in-ram 70 --n-cpu-moe 48
+  # NOTE: the file is in the page cache since synth (and the run above): its pages are dropped first with
+  # posix_fadvise(POSIX_FADV_DONTNEED) so the tier's first reads come from the NVMe; a RAM-tier miss read again
+  # later may still be served by the page cache (the tier reads with preadv, not O_DIRECT)
+  py -c "import os; fd = os.open('$M', os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)"
+  ssd_bench ssd-on-disk 90 --ssd-moe --host-cache-mib "$RAM_MIB"
+  py - "$LOGS/ssd-in-ram.json" "$LOGS/ssd-on-disk.json" <<'PY' 2>&1 | tee -a "$LOGS/ssd.log"
+import json, sys
+rows = {}
+for path in sys.argv[1:]:
+    try:
+        d = [p for p in json.load(open(path))["configurations"][0]["phases"] if p["kind"] == "decode" and p["run"]]
+    except (OSError, KeyError, IndexError, ValueError) as e:
+        print(f"{path}: no decode figures ({e!r})"); continue
+    p = d[-1]
+    rows[path] = p["tokens_per_second"]
+    print(f"{path.split('/')[-1]}: {p['tokens_per_second']:.1f} tok/s, VRAM hit {p['hit_ratio']:.1%}, RAM-tier hit "
+          f"{p.get('ram_tier_hit_ratio', 0):.1%}, disk {p.get('disk_read_bytes_per_token', 0) / 2**20:.2f} MiB/tok = "
+          f"{p.get('disk_read_bytes_per_token', 0) * p['tokens_per_second'] / 1e9:.2f} GB/s")
+if len(rows) == 2:
+    ram, disk = rows.values()
+    print(f"on disk / in RAM: {disk / ram:.2f}x (target >= 0.5x)")
+PY
+  for kv in bf16 q8_0 q4_0; do  # resident experts, one 32k-token sequence; one warm-up and one measured run
+    [ "$(left)" -gt 50 ] || { echo "== KV $kv: no time left in the stage" | tee -a "$LOGS/kv32k.log"; continue; }
+    echo "== KV $kv, 32k context" | tee -a "$LOGS/kv32k.log"
+    PYTHONPATH=/tmp/site:$PWD timeout "$(left)" python3 -m service.cli bench -m $M --n-cpu-moe 0 --kv-cache-dtype $kv \
+      --batches 1 --prompt-len 16 --decode-prompt-len 32704 --warmup-gen-len 2 --gen-len 64 --repeats 1 \
+      --json "$LOGS/kv32k-$kv.json" 2>&1 | tee -a "$LOGS/kv32k.log" | grep -E "^\||rror"
+  done
   ;;
 esac

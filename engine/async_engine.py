@@ -49,7 +49,8 @@ class EngineSnapshot:
     stats: EngineStats = field(default_factory=lambda: EngineStats(0, 0, 0.0, 0, 0, 0, 0.0))
     cache: CacheStatsSnapshot | None = None
     # [num_layers, num_experts]: recent picks (float32, decayed per step) and where each expert is (int8:
-    # 2 resident, 1 cached, 0 host RAM only, -1 dense layer); left out of ==, which numpy makes ambiguous
+    # 2 resident, 1 cached, 0 host RAM only, -2 on disk only, -1 dense layer); left out of ==, which numpy makes
+    # ambiguous
     usage: np.ndarray | None = field(default=None, compare=False)
     where: np.ndarray | None = field(default=None, compare=False)
 

@@ -87,6 +87,15 @@ class CacheConfig:
         "flag": "--cpu-moe", "help": "keep every routed expert in host RAM"})
     n_cpu_moe: int = field(default=0, metadata={  # the first N MoE layers' experts in host RAM
         "flag": "--n-cpu-moe", "metavar": "N", "help": "routed experts of the first N MoE layers in host RAM"})
+    ssd_moe: bool = field(default=False, metadata={  # every host layer's routed experts read from the GGUF file
+        "flag": "--ssd-moe", "help": "keep every routed expert on disk (the GGUF file) behind a bounded host-RAM "
+        "tier: only the experts a step selects are read"})
+    n_ssd_moe: int = field(default=0, metadata={  # the first N MoE layers' experts on disk
+        "flag": "--n-ssd-moe", "metavar": "N", "help": "routed experts of the first N MoE layers on disk behind the "
+        "host-RAM tier"})
+    host_cache_mib: int | None = field(default=None, metadata={  # None: half the available RAM at start-up
+        "flag": "--host-cache-mib", "metavar": "MIB", "help": "host-RAM tier of --ssd-moe/--n-ssd-moe (default: half "
+        "the available RAM at start-up)"})
     promote_per_step: int = field(default=8, metadata={
         "flag": "--cache-promote-per-step", "metavar": "N",
         "help": "uploads a step where misses do not land (cpu miss mode; decay and lfru)"})
@@ -119,10 +128,23 @@ class CacheConfig:
         if self.n_cpu_moe < 0 or self.promote_per_step < 1 or self.max_cached_batch < 1 or self.free_slots < 0:
             raise ValueError("n_cpu_moe >= 0, promote_per_step >= 1, max_cached_batch >= 1 and free_slots >= 0 "
                              "are required")
+        if self.n_ssd_moe < 0:
+            raise ValueError(f"--n-ssd-moe must be >= 0 (got {self.n_ssd_moe})")
+        if self.ssd_moe and self.n_ssd_moe:
+            raise ValueError("give --ssd-moe (every MoE layer) or --n-ssd-moe N (the first N), not both")
+        if self.host_cache_mib is not None and not self.uses_disk:
+            raise ValueError("--host-cache-mib sizes the host-RAM tier of --ssd-moe or --n-ssd-moe: give one of them")
+        if self.host_cache_mib is not None and self.host_cache_mib < 1:
+            raise ValueError(f"--host-cache-mib must be >= 1 MiB (got {self.host_cache_mib})")
 
     @property
     def mode(self) -> MissMode:
         return MissMode(self.miss_mode)
+
+    @property
+    def uses_disk(self) -> bool:
+        """Some routed experts stay on disk behind the host-RAM tier."""
+        return self.ssd_moe or self.n_ssd_moe > 0
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ class LLMEngine:
         sched = replace(config.scheduler, max_model_len=max_len)
         # one slot per sequence, plus a scratch slot for the padding rows of captured batches
         self.kv = KVCache.for_model(hp, sched.max_num_seqs + 1, max_len, dtype, self.device, *config.model.kv_types)
-        self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages)
+        self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages, locate=self.gguf.locate)
         self.scheduler = Scheduler(sched)
         self.cache: ExpertCache = self._build_cache(config.cache)
         self.model = Model(self.weights, self.cache.dispatcher)

@@ -82,6 +82,13 @@ class EngineCollector(Collector):
                        cache.cpu_seconds)
         yield _counter("moecache_expert_cpu_bytes", "Expert bytes the CPU read computing missed experts.", s,
                        cache.cpu_bytes)
+        yield _counter("moecache_expert_ram_tier_hits", "Experts of layers on disk (--ssd-moe) found in the host-RAM "
+                       "tier.", s, cache.ram_hits)
+        yield _counter("moecache_expert_ram_tier_misses", "Experts of layers on disk read from the GGUF file into the "
+                       "host-RAM tier.", s, cache.ram_misses)
+        yield _counter("moecache_expert_disk_reads", "Read calls of experts from the GGUF file.", s, cache.disk_reads)
+        yield _counter("moecache_expert_disk_read_bytes", "Expert bytes read from the GGUF file.", s,
+                       cache.disk_read_bytes)
         yield _gauge("moecache_expert_cache_bytes", "Device memory of the expert cache.", s, cache.cache_bytes)
         yield _gauge("moecache_expert_cache_slots", "Expert slots in the expert cache.", s, cache.num_slots)
         yield _counter("moecache_expert_cache_promotions", "Experts copied into the cache.", s, cache.promotions)

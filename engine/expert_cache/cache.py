@@ -27,6 +27,7 @@ from engine.expert_cache.observers import CacheObservers
 from engine.expert_cache.placement import Placement, choose_placement
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache
 from engine.expert_cache.profile import Profile
+from engine.expert_cache.ram_tier import RamTier, default_host_cache_bytes
 from engine.expert_cache.record import StepRecord
 from engine.expert_cache.split import Split, measure_link_gbps
 from engine.expert_cache.stats import CacheStats, CacheStatsSnapshot
@@ -39,8 +40,8 @@ log = logging.getLogger(__name__)
 class ExpertCache:
     def __init__(self, dispatcher: ExpertDispatcher, manager: CacheManager, observers: CacheObservers,
                  placement: Placement, plan: CachePlan, cfg: CacheConfig, stats: CacheStats, split: Split,
-                 cpu: CpuTasks | None) -> None:
-        self.dispatcher, self.manager, self.observers = dispatcher, manager, observers
+                 cpu: CpuTasks | None, tier: RamTier | None = None) -> None:
+        self.dispatcher, self.manager, self.observers, self.tier = dispatcher, manager, observers, tier
         self.placement, self.plan, self.cfg, self.stats, self.split, self.cpu = \
             placement, plan, cfg, stats, split, cpu
         self._pending: StepRecord | None = None
@@ -97,13 +98,18 @@ class ExpertCache:
 
     def usage_snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         """Recent use `[layers, experts]` (picks, decayed x0.95 per step) and where each expert is now:
-        2 resident on the device, 1 cached in a slot, 0 in host RAM only (-1: a dense layer)."""
+        2 resident on the device, 1 cached in a slot, 0 in host RAM only, -2 on disk only (`--ssd-moe`: not in the
+        host-RAM tier) (-1: a dense layer)."""
         usage = self.observers.usage
         where = np.full(usage.shape, -1, dtype=np.int8)
         where[list(self.placement.host_layers)] = 0
         where[list(self.placement.resident_layers)] = 2
         for layer in self.placement.host_layers:
             where[layer][self.manager.published[self.dispatcher.rows[layer]] >= 0] = 1
+        if self.tier is not None:
+            in_ram = set(self.tier.lru.residents())
+            for layer in self.tier.layouts:
+                where[layer][[(layer, e) not in in_ram and w == 0 for e, w in enumerate(where[layer])]] = -2
         return usage.copy(), where
 
     def snapshot(self) -> CacheStatsSnapshot:
@@ -119,13 +125,16 @@ class ExpertCache:
             return f"experts: {p.reason}"
         return (f"experts: {p.reason}; {len(p.host_layers)} layers in host RAM, {len(p.resident_layers)} resident; "
                 f"cache {plan.cache_bytes / 2**20:.0f} MiB, {plan.num_slots} slots ({plan.share:.1%} of host "
-                f"experts), policy {self.cfg.policy}, misses on {self.cfg.miss_mode}{self.split.describe()}")
+                f"experts), policy {self.cfg.policy}, misses on {self.cfg.miss_mode}{self.split.describe()}"
+                + (f"; {self.tier.describe()}" if self.tier is not None else ""))
 
     def close(self) -> list[str]:
         self.flush()
         self.manager.close()
         if self.cpu is not None:
             self.cpu.close()
+        if self.tier is not None:
+            self.tier.close()
         if self.observers.profile is not None and self.cfg.profile_out:
             self.observers.profile.save(self.cfg.profile_out)
         return self.stats.summary_lines()
@@ -167,25 +176,35 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, max_tokens: int, mo
     for warning in plan.warnings:
         log.warning(warning)
     store.keep_resident(set(placement.resident_layers))
-    host = {i: store.host(i) for i in placement.host_layers}
+    stats = CacheStats(plan.cache_bytes, plan.num_slots)
+    tier = store.disk_tier(placement.disk_layers, host_cache_bytes(cfg), hp.top_k, stats) \
+        if placement.disk_layers else None
+    # NOTE: a disk layer's bank is the map's view (shapes, types, addresses): its bytes are read through the tier
+    host = {i: store.mapped[i] if i in placement.disk_layers else store.host(i) for i in placement.host_layers}
     resident = {i: store.resident(i) for i in placement.resident_layers}
     profile = Profile.load(cfg.profile_in) if cfg.profile_in else None
-    stats = CacheStats(plan.cache_bytes, plan.num_slots)
     rows = {layer: i for i, layer in enumerate(moe_layers)}
     device_path = on_device(device)
     cpu = CpuTasks(host, rows, max_tokens, hp.top_k, hp.hidden, device,
-                   cfg.cpu_threads or default_cpu_threads(device)) if cfg.mode.uses_cpu and host else None
+                   cfg.cpu_threads or default_cpu_threads(device), tier) if cfg.mode.uses_cpu and host else None
     cap = link_cap(cfg, device)
-    split = Split(cfg.mode, device, list(host.values())[:2], device_path, link_cap_gbps=cfg.link_gbps, cpu=cpu,
+    in_ram = [bank for i, bank in host.items() if i not in placement.disk_layers] or \
+        (list(tier.banks.values()) if tier is not None else [])  # what hybrid's start-up measurement may read
+    split = Split(cfg.mode, device, in_ram[:2], device_path, link_cap_gbps=cfg.link_gbps, cpu=cpu,
                   cached_share=plan.share)
     manager = CacheManager(host, plan, cfg, device, rows, len(moe_layers), hp.num_experts, stats, profile,
-                           (split.share, split.lead), cap)
+                           (split.share, split.lead), cap, tier)
     dispatcher = ExpertDispatcher(host, resident, manager, cfg, device, moe_layers, hp.top_k, max_tokens, cpu,
-                                  device_path, cap)
+                                  device_path, cap, tier)
     observers = CacheObservers(stats, plan, moe_layers, list(placement.host_layers),
                                {i: store.expert_bytes(i) for i in placement.host_layers}, num_layers,
                                hp.num_experts, profile=cfg.profile_out is not None)
-    return ExpertCache(dispatcher, manager, observers, placement, plan, cfg, stats, split, cpu)
+    return ExpertCache(dispatcher, manager, observers, placement, plan, cfg, stats, split, cpu, tier)
+
+
+def host_cache_bytes(cfg: CacheConfig) -> int:
+    """The host-RAM tier's size: `--host-cache-mib`, else half the available RAM at start-up."""
+    return cfg.host_cache_mib * 2**20 if cfg.host_cache_mib is not None else default_host_cache_bytes()
 
 
 def link_cap(cfg: CacheConfig, device: torch.device) -> LinkCap | None:

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from engine.expert_cache.ram_tier import RamTier
 from ops.bank import ExpertWeights
 from ops.cache_step import Bell, CpuJob
 from ops.cpu_experts import BellWatcher, ExpertTask, TaskCounters, expert_ffn_cpu, load_native
@@ -49,17 +50,33 @@ class PythonTask:
         num_tokens = int(job.num_tokens[0])
         pairs = ((job.on_cpu[:num_tokens * top_k] != 0) & (job.expert_ids[:num_tokens * top_k] >= 0)).nonzero()[:, 0]
         experts = job.expert_ids[pairs].long()
-        args = (job.x[:num_tokens], pairs // top_k, experts, job.weights[pairs], self.bank)
-        job.out[:num_tokens] = expert_ffn_cpu(*args, num_threads=self.num_threads)
+        job.out[:num_tokens] = self._ffn(job.x[:num_tokens], pairs // top_k, experts, job.weights[pairs])
         distinct = int(experts.unique().numel())
         for i, n in enumerate((1, len(pairs), distinct, distinct * self.bank.expert_bytes,
                                time.perf_counter_ns() - start)):
             self._counts[i] += n
 
+    def _ffn(self, x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
+             weights: torch.Tensor) -> torch.Tensor:
+        return expert_ffn_cpu(x, token_ids, expert_ids, weights, self.bank, num_threads=self.num_threads)
+
     @property
     def counters(self) -> TaskCounters:
         calls, pairs, experts, moved, busy = self._counts
         return TaskCounters(calls, pairs, experts, moved, busy, 0)
+
+
+class TierTask(PythonTask):
+    """A disk layer's CPU pairs (`--ssd-moe`): their experts read through the host-RAM tier, computed from its slots.
+    `bank`: the layer's map views, for their sizes only."""
+
+    def __init__(self, layer: int, tier: RamTier, bank: ExpertWeights, job: CpuJob, num_threads: int) -> None:
+        super().__init__(bank, job, num_threads)
+        self.layer, self.tier = layer, tier
+
+    def _ffn(self, x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
+             weights: torch.Tensor) -> torch.Tensor:
+        return self.tier.ffn(self.layer, x, token_ids, expert_ids, weights)
 
 
 def make_task(bank: ExpertWeights, job: CpuJob, num_threads: int) -> Task:
@@ -89,11 +106,13 @@ class CpuWork:
 
 class CpuTasks:
     def __init__(self, host: Mapping[int, ExpertWeights], rows: Mapping[int, int], max_tokens: int, top_k: int,
-                 hidden: int, device: torch.device, num_threads: int) -> None:
-        """rows: the MoE row of each layer (the task index the device rings with)."""
+                 hidden: int, device: torch.device, num_threads: int, tier: RamTier | None = None) -> None:
+        """rows: the MoE row of each layer (the task index the device rings with). tier: the layers on disk."""
         self.device, self.rows, self.num_threads = device, rows, num_threads
         self.job = CpuJob.allocate(max_tokens, top_k, hidden, pin=device.type == "cuda")
-        self.tasks: dict[int, Task] = {layer: make_task(bank, self.job, num_threads) for layer, bank in host.items()}
+        self.tasks: dict[int, Task] = {
+            layer: TierTask(layer, tier, bank, self.job, num_threads) if tier is not None and layer in tier.layouts
+            else make_task(bank, self.job, num_threads) for layer, bank in host.items()}
         self.num_experts = {layer: bank.num_experts for layer, bank in host.items()}
         self.watcher: BellWatcher | None = None
         if device.type == "cuda" and self.is_native:

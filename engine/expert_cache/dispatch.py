@@ -7,6 +7,11 @@ The step kind is decided once per step: a decode step (up to `max_cached_batch` 
 as above, with no host sync, so it is captured as one CUDA graph; a larger batch (a prompt) stages
 whole host layers in VRAM and reads the cache without changing it. Everything a step decided is in its
 record (`record.py`), which the forward copies to the host as its last operation.
+
+Layers on disk (`--ssd-moe`, `ram_tier.py`): on CUDA, a decode step syncs once per such layer, after its router,
+reads the experts no slot holds into the host-RAM tier and points the device's host table at their RAM slots
+before the layer's kernels stream them; a prompt stages only the experts it uses, read through the tier. Such
+steps are not captured.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import torch
 
 from engine.config import CacheConfig
 from engine.expert_cache.cpu_tasks import CpuTasks
-from engine.expert_cache.device import LinkCap
+from engine.expert_cache.device import LinkCap, expert_parts
 from engine.expert_cache.manager import CacheManager, Change
+from engine.expert_cache.ram_tier import RamTier
 from engine.expert_cache.record import HIT, LANDED, ON_CPU, PAD, STAGED, RecordBuffers, StepRecord
 from engine.expert_cache.staging import LayerStager
 from engine.moe import flatten_pairs
@@ -38,8 +44,11 @@ class StepKind(enum.Enum):
 class ExpertDispatcher:
     def __init__(self, host: Mapping[int, ExpertWeights], resident: Mapping[int, ExpertWeights],
                  manager: CacheManager, cfg: CacheConfig, device: torch.device, moe_layers: list[int], top_k: int,
-                 max_tokens: int, cpu: CpuTasks | None, on_device: bool, cap: LinkCap | None = None) -> None:
+                 max_tokens: int, cpu: CpuTasks | None, on_device: bool, cap: LinkCap | None = None,
+                 tier: RamTier | None = None) -> None:
+        """tier: the layers of `host` whose experts are on disk (their banks there are the map's views, never read)."""
         self.host, self.resident, self.manager, self.cfg, self.device = host, resident, manager, cfg, device
+        self.tier = tier
         self.mode, self.top_k, self.cpu, self.cap = cfg.mode, top_k, cpu, cap
         self.rows = {layer: i for i, layer in enumerate(moe_layers)}
         self.record = RecordBuffers(len(moe_layers), max_tokens * top_k, device)
@@ -50,7 +59,7 @@ class ExpertDispatcher:
         self.changes = torch.zeros((manager.max_changes, 4), dtype=torch.int64, pin_memory=pin)
         self._header_np, self._changes_np = self.header.numpy(), self.changes.numpy()  # written by the host
         self.on_device = on_device  # the Triton kernels (CUDA); else torch references and the CPU kernels
-        self.stager = LayerStager(host, manager.pools, manager.group_of, manager.slots_of, manager.copies) \
+        self.stager = LayerStager(host, manager.pools, manager.group_of, manager.slots_of, manager.copies, tier) \
             if on_device and host else None
         self.kind, self.pairs, self.num_tokens, self.previous_pairs = StepKind.DECODE, 0, 0, 0
         self._resident_ids: list[torch.Tensor] = []
@@ -76,8 +85,8 @@ class ExpertDispatcher:
 
     @property
     def is_graph_safe(self) -> bool:
-        """A decode step makes no host sync: it can be captured as a CUDA graph."""
-        return self.on_device and (self.cpu is None or self.cpu.rings)
+        """A decode step makes no host sync: it can be captured as a CUDA graph (never with layers on disk)."""
+        return self.on_device and (self.cpu is None or self.cpu.rings) and self.tier is None
 
     # -- the host, before a step is launched ------------------------------------------------------------
     def prepare(self, changes: list[Change]) -> None:
@@ -151,6 +160,8 @@ class ExpertDispatcher:
             return self._decode_in_place(layer, x, expert_ids, weights)
         from ops.triton import grouped_expert_ffn, hold_fills
         from ops.triton.cache_step import assign_experts as assign_on_device
+        if self.mode.streams and self._on_disk(layer):
+            self.read_disk_misses(layer, expert_ids)
         prepared = assign_on_device(*args, prepare=self.gate_format[layer])  # x for the expert kernels too
         if self.cap is not None and layer in self.fill:
             hold_fills(expert_ids.reshape(-1), self.fill[layer].flags,
@@ -172,8 +183,9 @@ class ExpertDispatcher:
         host, pool = self.host[layer], self.manager.pools.get(self.manager.group_of[layer])
         landed = outcome == LANDED
         for e, s in set(zip(experts[landed].tolist(), slot[landed].tolist())):
-            for dst, src in zip((pool.gate, pool.up, pool.down), (host.gate, host.up, host.down)):  # type: ignore
-                dst[s] = src[e]
+            assert pool is not None, "landings are in a cached group's pool"
+            for dst, src in zip(expert_parts(pool, s), self._host_expert(layer, e)):
+                dst.copy_(src)
         out = torch.zeros(x.shape, dtype=torch.float32)
         in_pool = (outcome == HIT) | (outcome == LANDED)
         if bool(in_pool.any()):
@@ -182,11 +194,42 @@ class ExpertDispatcher:
                               self._pool_bank(pool, host, slot[in_pool], experts[in_pool]))
         staged = outcome == STAGED
         if bool(staged.any()):
-            out += expert_ffn(x, tokens[staged], experts[staged], pair_weights[staged], host)
+            out += self._host_ffn(layer, x, tokens[staged], experts[staged], pair_weights[staged])
         if self.cpu is not None and bool((outcome == ON_CPU).any()):
             self.cpu.run(layer)
             out += self.cpu.job.out[:x.shape[0]]
         return out.to(x.dtype)
+
+    def _on_disk(self, layer: int) -> bool:
+        return self.tier is not None and layer in self.tier.layouts
+
+    def read_disk_misses(self, layer: int, expert_ids: torch.Tensor) -> None:
+        """A disk layer's decode step on CUDA, before its kernels: the selected experts no slot holds are read into
+        the host-RAM tier (once: those already in RAM are hits), and the device's host table (`SlotTables.host`)
+        points at their RAM slots, where the kernels stream them from. One host sync.
+        NOTE: the sync also means every kernel queued before (an earlier layer's, reading RAM slots) has finished,
+        so the tier may refill a slot; and the pairs the CPU computes (hybrid) find their experts in RAM."""
+        assert self.tier is not None, "a layer on disk has a tier"
+        row, tables = self.rows[layer], self.manager.tables
+        ids = expert_ids.flatten().unique()
+        ids = ids[ids >= 0]
+        missed = ids[tables.state[row][ids] < 0].tolist()  # the slots as this step's `begin_step` left them
+        if missed:
+            slots = self.tier.load(layer, missed)
+            tables.host[row][:, missed] = self.tier.addresses(layer, slots).to(tables.host.device)
+
+    def _host_ffn(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+        """Pairs computed from host memory where the device is the CPU: a disk layer's through the RAM tier."""
+        if self.tier is not None and layer in self.tier.layouts:
+            return self.tier.ffn(layer, x, token_ids, expert_ids, weights)
+        return expert_ffn(x, token_ids, expert_ids, weights, self.host[layer])
+
+    def _host_expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An expert's gate, up and down bytes in host memory (a disk layer's: in its RAM slot, read if needed)."""
+        if self.tier is not None and layer in self.tier.layouts:
+            return self.tier.expert(layer, expert)
+        return expert_parts(self.host[layer], expert)
 
     @staticmethod
     def _pool_bank(pool: ExpertWeights, host: ExpertWeights, slots: torch.Tensor,
@@ -208,9 +251,10 @@ class ExpertDispatcher:
         record = self.record.layer(row)[:n]
         record[:, 0], record[:, 1], record[:, 2] = ids, outcome, torch.where(outcome == HIT, slots, -1)
         if not self.on_device:
-            return expert_ffn(x, *flatten_pairs(expert_ids, weights), self.host[layer]).to(x.dtype)
+            return self._host_ffn(layer, x, *flatten_pairs(expert_ids, weights)).to(x.dtype)
         assert self.stager is not None, "the device stages host layers for large batches"
-        bank = self.stager.bank(layer)
+        used = ids[ids >= 0].unique().tolist() if self._on_disk(layer) else None  # a host sync: not captured
+        bank = self.stager.bank(layer, used)
         if self._tensor_cores(x):
             out = expert_ffn_grouped_gemm(x, *flatten_pairs(expert_ids, weights), bank)
         else:

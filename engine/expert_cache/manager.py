@@ -19,6 +19,7 @@ from engine.expert_cache.device import CopyEngine, CopyHandle, LinkCap, bank_sha
 from engine.expert_cache.plan import CachePlan
 from engine.expert_cache.policy import CachePolicy, Decision, PolicyConfig, Promotion, make_policy
 from engine.expert_cache.profile import Profile
+from engine.expert_cache.ram_tier import RamTier
 from engine.expert_cache.record import LANDED, ON_CPU, StepRecord
 from engine.expert_cache.stats import CacheStats
 from ops.bank import ExpertWeights
@@ -37,8 +38,10 @@ class CacheManager:
     def __init__(self, host: Mapping[int, ExpertWeights], plan: CachePlan, cfg: CacheConfig, device: torch.device,
                  rows: Mapping[int, int], num_rows: int, num_experts: int, stats: CacheStats,
                  profile: Profile | None = None, split: tuple[float, float] = (1.0, 0.0),
-                 cap: LinkCap | None = None) -> None:
+                 cap: LinkCap | None = None, tier: RamTier | None = None) -> None:
+        """tier: the layers of `host` on disk (their banks are the map's views: uploads read through the tier)."""
         self.host, self.plan, self.cfg, self.device, self.rows, self.stats = host, plan, cfg, device, rows, stats
+        self.tier = tier
         self.groups = {g.group_id: g for g in plan.groups}
         self.group_of = {layer: g.group_id for g in plan.groups for layer in g.layers}
         self.pools = {g.group_id: empty_bank(host[g.layers[0]], g.num_slots, device) for g in plan.groups
@@ -78,7 +81,10 @@ class CacheManager:
         region = torch.full((num_rows,), self.no_ring, dtype=torch.int32)
         for layer, bank in self.host.items():
             row = self.rows[layer]
-            host[row] = _addresses(bank, num_experts)
+            # NOTE: a layer on disk has no host address until a step reads an expert into the RAM tier
+            # (`ExpertDispatcher.read_disk_misses`): 0, never the map's, which the device must not read
+            if not self._on_disk(layer):
+                host[row] = _addresses(bank, num_experts)
             if bank_shape(bank) in self.staging:
                 staging[row] = _addresses(self.staging[bank_shape(bank)], num_experts)
             gid = self.group_of.get(layer)
@@ -164,11 +170,26 @@ class CacheManager:
         for gid, promotions in by_group.items():
             pool, pairs = self.pools[gid], list[tuple[torch.Tensor, torch.Tensor]]()
             for p in promotions:
-                pairs += zip(expert_parts(pool, p.slot), expert_parts(self.host[p.layer], p.expert))
+                if self._on_disk(p.layer):
+                    self._upload_from_disk(pool, p)
+                else:
+                    pairs += zip(expert_parts(pool, p.slot), expert_parts(self.host[p.layer], p.expert))
                 self._uploading[(gid, p.slot)] = (p.layer, p.expert)
             entries = [(gid, p.layer, p.expert, p.slot) for p in promotions]
             self._uploads.append(_Upload(self.copies.copy(pairs), entries))
             self.stats.record_copies(len(promotions), 0, len(promotions) * self.groups[gid].slot_bytes)
+
+    def _on_disk(self, layer: int) -> bool:
+        return self.tier is not None and layer in self.tier.layouts
+
+    def _upload_from_disk(self, pool: ExpertWeights, p: Promotion) -> None:
+        """A layer on disk's promotion: the expert read into the RAM tier, copied into its slot and waited for.
+        NOTE: the step just launched may still read RAM slots (streamed misses), and the RAM slot holds the expert
+        only until the next load: the device finishes first, and the copy ends before anything else loads."""
+        assert self.tier is not None, "a layer on disk has a tier"
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.copies.copy(list(zip(expert_parts(pool, p.slot), self.tier.expert(p.layer, p.expert)))).wait()
 
     def wait_uploads(self) -> None:
         for upload in self._uploads:

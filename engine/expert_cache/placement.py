@@ -1,4 +1,5 @@
-"""Where routed experts live: resident on the device, or in host RAM behind the cache. Torch-free."""
+"""Where routed experts live: resident on the device, in host RAM behind the cache, or on disk (the GGUF file)
+behind a host-RAM tier and the cache. Torch-free."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class Placement:
     resident_layers: tuple[int, ...]  # MoE layers whose routed experts live on the device
     budget_bytes: int  # the expert cache for the host layers
     reason: str  # one line for the startup log
+    disk_layers: tuple[int, ...] = ()  # host layers whose routed experts stay on disk behind the RAM tier
 
     def is_host(self, layer: int) -> bool:
         return layer in self.host_layers
@@ -36,9 +38,18 @@ def choose_placement(layer_bytes: Mapping[int, int], cfg: CacheConfig, free_byte
         host, why = [], "all routed experts fit on the device"
     else:
         host, why = layers, "routed experts do not fit on the device: host RAM + expert cache"
+    disk = layers if cfg.ssd_moe else layers[:cfg.n_ssd_moe]
+    if disk:  # NOTE: a layer on disk is a host layer: the RAM tier and the cache are in front of it
+        also = f"; {why}" if host else ""
+        host, why = sorted(set(host) | set(disk)), f"{_disk_flag(cfg)}: {len(disk)} layers' routed experts on " \
+            f"disk behind host RAM{also}"
     resident = [layer for layer in layers if layer not in host]
     budget = _budget(cfg, free_bytes, reserved_bytes + sum(layer_bytes[x] for x in resident)) if host else 0
-    return Placement(tuple(host), tuple(resident), budget, why)
+    return Placement(tuple(host), tuple(resident), budget, why, tuple(disk))
+
+
+def _disk_flag(cfg: CacheConfig) -> str:
+    return "--ssd-moe" if cfg.ssd_moe else f"--n-ssd-moe {cfg.n_ssd_moe}"
 
 
 def _fits(layer_bytes: Mapping[int, int], free: int, reserved: int, cfg: CacheConfig) -> bool:

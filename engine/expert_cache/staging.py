@@ -2,6 +2,8 @@
 is copied whole into one of two VRAM buffers on the copy stream, the next layer's copy running while
 the current layer computes (double buffering). Cached experts come from their slots (device to
 device); the rest from pinned host memory, in runs of consecutive experts (one copy per run and part).
+A layer on disk (`--ssd-moe`) stages only the experts the batch uses, the uncached ones read through the host-RAM
+tier a slot pool's worth at a time, each copy waited for before the tier refills its slots (no prefetch).
 """
 
 from __future__ import annotations
@@ -11,27 +13,36 @@ from collections.abc import Callable, Mapping
 import torch
 
 from engine.expert_cache.device import CopyEngine, bank_shape, empty_bank, expert_parts
+from engine.expert_cache.ram_tier import RamTier
 from ops.bank import ExpertWeights
 
 
 class LayerStager:
     def __init__(self, host: Mapping[int, ExpertWeights], pools: Mapping[int, ExpertWeights],
-                 group_of: Mapping[int, int], slots_of: Callable[[int], list[int]], copies: CopyEngine) -> None:
-        """slots_of(layer): the slot (or -1) of each of the layer's experts, as published now."""
+                 group_of: Mapping[int, int], slots_of: Callable[[int], list[int]], copies: CopyEngine,
+                 tier: RamTier | None = None) -> None:
+        """slots_of(layer): the slot (or -1) of each of the layer's experts, as published now. tier: the layers on
+        disk (their `host` banks are the map's views, never read)."""
         self.host, self.pools, self.group_of, self.slots_of, self.copies = host, pools, group_of, slots_of, copies
+        self.tier = tier
         self.order = sorted(host)
         self.buffers: dict[tuple, list[ExpertWeights]] = {}  # bank shape -> its two buffers
         self.turn: dict[tuple, int] = {}
         self.free: dict[int, torch.cuda.Event] = {}  # id(buffer) -> recorded after its last reader
         self.ready: dict[int, tuple[ExpertWeights, torch.cuda.Event]] = {}  # layer -> (buffer, copied)
 
-    def bank(self, layer: int) -> ExpertWeights:
-        """The layer's experts in VRAM, ready for the compute stream; starts copying the next host layer."""
-        if layer not in self.ready:
+    def bank(self, layer: int, used: list[int] | None = None) -> ExpertWeights:
+        """The layer's experts in VRAM, ready for the compute stream; starts copying the next host layer.
+        used: a layer on disk's experts the batch selects (only their rows are staged)."""
+        if self.tier is not None and layer in self.tier.layouts:
+            assert used is not None, "a layer on disk stages the experts the batch uses"
+            self._upload_from_disk(layer, self.tier, used)
+        elif layer not in self.ready:
             self._upload(layer)
         index = self.order.index(layer)
-        if index + 1 < len(self.order) and self.order[index + 1] not in self.ready:
-            self._upload(self.order[index + 1])
+        following = self.order[index + 1] if index + 1 < len(self.order) else None
+        if following is not None and following not in self.ready and not self._on_disk(following):
+            self._upload(following)
         buffer, copied = self.ready.pop(layer)
         torch.cuda.current_stream(buffer.gate.device).wait_event(copied)
         return buffer
@@ -60,6 +71,27 @@ class LayerStager:
                                           expert_parts(src, slice(first, first + stop - start))):
                 pairs.append((dst_part, src_part))
         self.ready[layer] = (buffer, self.copies.upload(pairs, after=self.free.pop(id(buffer), None)))
+
+    def _on_disk(self, layer: int) -> bool:
+        return self.tier is not None and layer in self.tier.layouts
+
+    def _upload_from_disk(self, layer: int, tier: RamTier, used: list[int]) -> None:
+        """The used experts' rows: cached ones from their slots, the rest read into the tier and copied from there.
+        NOTE: a RAM slot holds its expert until the next `load`: each chunk's copy is waited for before the next."""
+        buffer, slots = self._next_buffer(self.host[layer]), self.slots_of(layer)
+        pool = self.pools.get(self.group_of.get(layer, -1))
+        pairs = [pair for e in used if slots[e] >= 0 and pool is not None
+                 for pair in zip(expert_parts(buffer, e), expert_parts(pool, slots[e]))]
+        missed = [e for e in used if slots[e] < 0 or pool is None]
+        after = self.free.pop(id(buffer), None)
+        for start in range(0, len(missed), tier.num_slots):
+            chunk = missed[start:start + tier.num_slots]
+            ram = tier.load(layer, chunk)
+            pairs += [pair for e, s in zip(chunk, ram)
+                      for pair in zip(expert_parts(buffer, e), expert_parts(tier.banks[layer], s))]
+            self.copies.upload(pairs, after).synchronize()
+            pairs, after = [], None
+        self.ready[layer] = (buffer, self.copies.upload(pairs, after))
 
     def _runs(self, layer: int) -> list[tuple[int, int, int]]:
         """(start, stop, slot): runs of consecutive uncached experts (slot -1), single cached ones."""

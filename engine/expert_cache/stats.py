@@ -52,6 +52,10 @@ class CacheStatsSnapshot:
     recent_hit_ratio: float  # over the last decode steps (see CacheStats.recent_steps)
     cpu_seconds: float = 0.0  # time the CPU spent computing misses (its tasks, cumulative)
     cpu_bytes: int = 0  # expert bytes the CPU read computing misses
+    ram_hits: int = 0  # host-RAM tier (--ssd-moe): experts found in RAM
+    ram_misses: int = 0  # experts read from the GGUF file into a RAM slot
+    disk_reads: int = 0  # read calls (preadv) those took
+    disk_read_bytes: int = 0
 
     def _select(self, batch: str | None) -> list[GroupStats]:
         if batch is not None and batch not in BATCH_CLASSES:
@@ -105,6 +109,11 @@ class CacheStats:
         with self._lock:
             self._totals.update(promotions=promotions, evictions=evictions, uploaded_bytes=uploaded_bytes)
 
+    def record_ram_tier(self, hits: int, misses: int, reads: int, read_bytes: int) -> None:
+        """One load of the host-RAM tier: experts found in RAM, and those read from disk."""
+        with self._lock:
+            self._totals.update(ram_hits=hits, ram_misses=misses, disk_reads=reads, disk_read_bytes=read_bytes)
+
     def snapshot(self) -> CacheStatsSnapshot:
         with self._lock:
             keys = sorted(
@@ -124,6 +133,10 @@ class CacheStats:
             cache_bytes=self.cache_bytes,
             num_slots=self.num_slots,
             recent_hit_ratio=_ratio(recent_hits, recent_misses),
+            ram_hits=totals.get("ram_hits", 0),
+            ram_misses=totals.get("ram_misses", 0),
+            disk_reads=totals.get("disk_reads", 0),
+            disk_read_bytes=totals.get("disk_read_bytes", 0),
         )
 
     def summary_lines(self) -> list[str]:
@@ -135,4 +148,5 @@ class CacheStats:
             f"expert cache, batches {b} tokens: {steps.get(b, 0)} steps, {snap.hits(b)} hits, "
             f"{snap.misses(b)} misses, hit ratio {snap.hit_ratio(b):.1%}"
             for b in BATCH_CLASSES
-        ]
+        ] + ([f"host-RAM tier: {snap.ram_hits} hits, {snap.ram_misses} misses, {snap.disk_reads} disk reads, "
+              f"{snap.disk_read_bytes / 2**20:.1f} MiB read"] if snap.ram_hits + snap.ram_misses else [])

@@ -170,6 +170,15 @@ class GGUFFile:
                 # numpy keeps the map of a memmap in its private `_mmap`
                 reader.data._mmap.madvise(mmap.MADV_DONTNEED, aligned, start - aligned + length)  # type: ignore[attr-defined]
 
+    def locate(self, address: int) -> tuple[Path, int]:
+        """The file and byte offset of an address in the maps (each file is mapped whole, from offset 0), so a
+        range of a tensor can be read with `os.pread` instead of through the map."""
+        for reader, path in zip(self._readers, self.paths):
+            start = address - reader.data.ctypes.data
+            if 0 <= start < len(reader.data):
+                return path, start
+        raise ValueError(f"address {address:#x} is not in the maps of {self.path}")
+
     def has(self, name: str) -> bool:
         return name in self.tensors
 

@@ -56,7 +56,9 @@ def _phase_json(p: Phase) -> dict[str, Any]:
             "uploaded_bytes_per_token": p.per_token(c.uploaded_bytes),
             "streamed_bytes_per_token": p.per_token(c.streamed_bytes),
             "cpu_experts_per_token": p.per_token(c.cpu_experts),
-            "cpu_seconds_per_token": p.per_token(c.cpu_seconds)}
+            "cpu_seconds_per_token": p.per_token(c.cpu_seconds),
+            "disk_read_bytes_per_token": p.per_token(c.disk_read_bytes),
+            "ram_tier_hit_ratio": c.ram_hits / (c.ram_hits + c.ram_misses) if c.ram_hits + c.ram_misses else 0.0}
 
 
 def _result_json(r: ConfigResult | Skipped) -> dict[str, Any]:
@@ -87,7 +89,7 @@ def write_json(report: BenchReport, path: str | Path) -> None:
 
 COLUMNS = (("budget", 8), ("cache MiB", 9), ("cached", 7), ("policy", 6), ("miss", 6), ("batch", 5),
            ("tok/s", 8), ("hit", 6), ("up KB/tok", 9), ("stream KB/tok", 13), ("cpu exp/tok", 11), ("cpu ms/tok", 10),
-           ("prefill tok/s", 13), ("TTFT ms", 8), ("bound ms/tok", 12), ("of bound", 8))
+           ("disk KB/tok", 11), ("prefill tok/s", 13), ("TTFT ms", 8), ("bound ms/tok", 12), ("of bound", 8))
 
 
 def _row(cells: list[str]) -> str:
@@ -105,7 +107,8 @@ def _rows(r: ConfigResult) -> list[str]:
             bound = [f"{r.bound.seconds * 1e3:.3f}", f"{r.bound.share_of(d.tokens_per_second):.1%}"]
         decode = [str(d.batch), f"{d.tokens_per_second:.1f}", f"{d.hit_ratio:.1%}",
                   f"{d.uploaded_bytes_per_token / KB:.0f}", f"{d.streamed_bytes_per_token / KB:.0f}",
-                  f"{d.cpu_experts_per_token:.1f}", f"{d.cpu_seconds_per_token * 1e3:.2f}"]
+                  f"{d.cpu_experts_per_token:.1f}", f"{d.cpu_seconds_per_token * 1e3:.2f}",
+                  f"{d.disk_bytes_per_token / KB:.0f}"]
         lines.append(_row(head + decode + (prefill if n == 0 else ["", ""]) + bound))
     return lines
 

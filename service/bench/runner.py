@@ -64,11 +64,14 @@ class CacheDelta:
     cpu_experts: float
     promotions: float = 0  # experts taken into the cache: landed misses and uploads
     cpu_seconds: float = 0.0  # the CPU's time on missed experts
+    disk_read_bytes: float = 0  # experts read from the GGUF file into the host-RAM tier (--ssd-moe)
+    ram_hits: float = 0  # experts a disk layer found in the host-RAM tier
+    ram_misses: float = 0  # and those it read from the file
 
     @classmethod
     def of(cls, s: CacheStatsSnapshot) -> CacheDelta:
         return cls(s.hits(), s.misses(), s.uploaded_bytes, s.streamed_bytes, s.cpu_experts, s.promotions,
-                   s.cpu_seconds)
+                   s.cpu_seconds, s.disk_read_bytes, s.ram_hits, s.ram_misses)
 
     def minus(self, earlier: CacheDelta) -> CacheDelta:
         return CacheDelta(*(a - b for a, b in zip(_values(self), _values(earlier))))
@@ -79,7 +82,8 @@ class CacheDelta:
 
 
 def _values(d: CacheDelta) -> tuple[float, ...]:
-    return d.hits, d.misses, d.uploaded_bytes, d.streamed_bytes, d.cpu_experts, d.promotions, d.cpu_seconds
+    return (d.hits, d.misses, d.uploaded_bytes, d.streamed_bytes, d.cpu_experts, d.promotions, d.cpu_seconds,
+            d.disk_read_bytes, d.ram_hits, d.ram_misses)
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ class DecodeFigures:
     streamed_bytes_per_token: float
     cpu_experts_per_token: float
     cpu_seconds_per_token: float = 0.0  # the CPU's time on missed experts (its tasks)
+    disk_bytes_per_token: float = 0.0  # expert bytes read from the GGUF file (--ssd-moe)
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,8 @@ def decode_figures(phases: Sequence[Phase], batch: int) -> DecodeFigures:
                          _median(m, lambda p: p.per_token(p.cache.uploaded_bytes)),
                          _median(m, lambda p: p.per_token(p.cache.streamed_bytes)),
                          _median(m, lambda p: p.per_token(p.cache.cpu_experts)),
-                         _median(m, lambda p: p.per_token(p.cache.cpu_seconds)))
+                         _median(m, lambda p: p.per_token(p.cache.cpu_seconds)),
+                         _median(m, lambda p: p.per_token(p.cache.disk_read_bytes)))
 
 
 def host_layers(engine: LLMEngine, cfg: CacheConfig) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from engine.config import POLICIES, CacheConfig, ModelConfig, SchedulerConfig
 from engine.expert_cache.placement import MiB
 from engine.expert_cache.plan import CachePlan, LayerExperts, plan_cache, smallest_useful_budget
 from engine.expert_cache.policy import PolicyConfig
+from engine.expert_cache.ram_tier import ram_tier_slots
 from engine.expert_cache.replay import profile_from_trace, replay
 from engine.gguf.reader import GGUFFile
 from engine.kv_cache import kv_cache_bytes
@@ -31,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--mib", type=int, default=None, help="cache budget (default: a sweep of budgets)")
     p.add_argument("--n-cpu-moe", type=int, default=default_of(CacheConfig, "n_cpu_moe"), metavar="N",
                    help="only the first N MoE layers in host RAM")
+    p.add_argument("--host-cache-mib", type=int, default=None, metavar="MIB",
+                   help="what a host-RAM tier of MIB holds with the experts on disk (--ssd-moe)")
     p.add_argument("--trace", default=None, help="a routing trace (--record-trace) to replay through each policy")
     p.add_argument("--max-cached-batch", type=int, default=default_of(CacheConfig, "max_cached_batch"))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -81,6 +84,16 @@ def describe(plan: CachePlan, layers: list[LayerExperts], max_batch: int, kv_byt
             "warnings": list(plan.warnings)}
 
 
+def ram_tier(layers: list[LayerExperts], budget_mib: int) -> dict:
+    """The host-RAM tier of `--ssd-moe` for a budget: its slots (of the largest expert) and their share."""
+    slot_bytes = max((x.expert_bytes for x in layers), default=0)
+    total = sum(x.num_experts for x in layers)
+    slots = ram_tier_slots(budget_mib * MiB, slot_bytes, total) if slot_bytes else 0
+    top_k = max((x.top_k for x in layers), default=0)
+    return {"budget_mib": budget_mib, "slot_bytes": slot_bytes, "slots": slots, "share": slots / total if total else 0,
+            "fits_a_token": slots >= top_k}
+
+
 def predicted_hit_rates(trace_path: str, plan: CachePlan) -> dict[str, float]:
     trace = RoutingTrace.load(trace_path)
     rates = {}
@@ -113,12 +126,17 @@ def run(args: argparse.Namespace) -> int:
             result["predicted_hit_ratio"] = predicted_hit_rates(args.trace, plan)
         results.append(result)
     host_bytes = sum(x.expert_bytes * x.num_experts for x in layers)
+    tier = ram_tier(layers, args.host_cache_mib) if args.host_cache_mib is not None else None
     if args.json:
-        json.dump({"model": str(gguf.path), "host_expert_bytes": host_bytes, "kv_cache": kv, "plans": results},
-                  sys.stdout, indent=2)
+        json.dump({"model": str(gguf.path), "host_expert_bytes": host_bytes, "kv_cache": kv, "plans": results,
+                   **({"ram_tier": tier} if tier else {})}, sys.stdout, indent=2)
         print()
     else:
         print_table(gguf, layers, host_bytes, kv, results)
+        if tier:
+            print(f"\nhost-RAM tier (--ssd-moe) {tier['budget_mib']} MiB: {tier['slots']} experts of "
+                  f"{tier['slot_bytes'] / MiB:.2f} MiB, {tier['share']:.1%} of the experts on disk"
+                  + ("" if tier["fits_a_token"] else "; fewer than a token selects: too small"))
     return 0
 
 

@@ -2,7 +2,7 @@
 // 48 x 128 model draws in a few milliseconds, with markers on the cached and resident experts.
 
 const WHERE = { dense: -1, host: 0, cached: 1, resident: 2 };
-const WHERE_TEXT = { "-1": "dense layer", 0: "host RAM only", 1: "cached in a GPU slot", 2: "resident on the GPU" };
+const WHERE_TEXT = { "-2": "on disk only", "-1": "dense layer", 0: "host RAM only", 1: "cached in a GPU slot", 2: "resident on the GPU" };
 const HEAT_STOPS = [[13, 27, 42], [59, 44, 133], [192, 58, 118], [249, 154, 62], [252, 253, 191]];
 const DENSE_RGB = [58, 63, 69];
 const CACHED_COLOR = "#3df5ff";

@@ -134,3 +134,11 @@ def test_kv_cache_of_each_architecture(preset: str, tmp_path: Path, capsys: pyte
     quantized = plan_json(capsys, str(path), *args, "-ctk", "q8_0", "-ctv", "q4_0")
     assert quantized["kv_cache"]["bytes"] == layout_bytes(hp, 4, 1024, "q8_0", "q4_0")
     assert 0 < quantized["kv_cache"]["bytes"] < out["kv_cache"]["bytes"]
+
+
+def test_the_host_ram_tier_of_a_budget(qwen3_30b: Path, capsys: pytest.CaptureFixture) -> None:
+    expert = 3 * 768 * 2048 // 256 * 144  # one Q4_K expert
+    tier = plan_json(capsys, str(qwen3_30b), "--mib", "100", "--host-cache-mib", "4096")["ram_tier"]
+    assert tier == {"budget_mib": 4096, "slot_bytes": expert, "slots": 4096 * MiB // expert,
+                    "share": 4096 * MiB // expert / (48 * 128), "fits_a_token": True}
+    assert not plan_json(capsys, str(qwen3_30b), "--mib", "100", "--host-cache-mib", "10")["ram_tier"]["fits_a_token"]
