@@ -12,9 +12,9 @@
 #      trip and a streamed miss's cost (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over
 #      quantized KV caches, captured and eager (.ci/gpu-qkv-probe.py), where the lease has time left.
 #   5: throughput as served: batched decode beside llama-batched-bench, moecache bench-serve over HTTP and gRPC.
-#   6: issue 19 (~240 s): experts on disk (--ssd-moe, a host-RAM tier of 25% of the experts) against every expert
-#      in RAM, the same 25% cache, stream, batch 1; then decode at a 32k-token context with the KV cache in bf16,
-#      q8_0 and q4_0 (experts resident), as long as the stage's time lasts.
+#   6: issue 19 (STAGE_S seconds, default 400): experts on disk (--ssd-moe, a host-RAM tier of 25% of the experts)
+#      against every expert in RAM, the same 25% cache, stream, batch 1; then decode at a 32k-token context with the
+#      KV cache in each of KV_TYPES (default bf16 q8_0 q4_0; experts resident), as long as the stage's time lasts.
 # Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | ... | 6
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,7 +100,7 @@ case "$1" in
   # --kl-divergence-base run and one run per type, each loading the model and prefilling the context): not run.
   M=/tmp/qwen3moe-30b-a3b.gguf
   py() { PYTHONPATH=/tmp/site:$PWD python3 "$@"; }
-  left() { echo $((235 - SECONDS)); }  # seconds the stage has left
+  left() { echo $((${STAGE_S:-400} - SECONDS)); }  # seconds the stage has left (STAGE_S: its budget)
   RAM_MIB=$(py -c "from engine.gguf.reader import GGUFFile; \
 print(sum(t.num_bytes for t in GGUFFile('$M') if '_exps' in t.name) // 4 >> 20)")
   echo "== RAM tier: 25% of the routed experts = $RAM_MIB MiB" | tee "$LOGS/ssd.log"
@@ -133,7 +133,7 @@ if len(rows) == 2:
     ram, disk = rows.values()
     print(f"on disk / in RAM: {disk / ram:.2f}x (target >= 0.5x)")
 PY
-  for kv in bf16 q8_0 q4_0; do  # resident experts, one 32k-token sequence; one warm-up and one measured run
+  for kv in ${KV_TYPES:-bf16 q8_0 q4_0}; do  # resident experts, one 32k-token sequence; one warm-up and one measured run
     [ "$(left)" -gt 50 ] || { echo "== KV $kv: no time left in the stage" | tee -a "$LOGS/kv32k.log"; continue; }
     echo "== KV $kv, 32k context" | tee -a "$LOGS/kv32k.log"
     PYTHONPATH=/tmp/site:$PWD timeout "$(left)" python3 -m service.cli bench -m $M --n-cpu-moe 0 --kv-cache-dtype $kv \
