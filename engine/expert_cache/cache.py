@@ -177,14 +177,18 @@ def build_expert_cache(store: ExpertStore, cfg: CacheConfig, max_tokens: int, mo
         log.warning(warning)
     store.keep_resident(set(placement.resident_layers))
     stats = CacheStats(plan.cache_bytes, plan.num_slots)
-    tier = store.disk_tier(placement.disk_layers, host_cache_bytes(cfg), hp.top_k, stats) \
+    # NOTE: where the device streams a disk layer's misses, a decode step's distinct experts of a layer sit in the
+    # tier at once (the kernels read them all in one launch); the CPU reads through it a token at a time
+    device_path = on_device(device)
+    at_once = min(hp.num_experts, hp.top_k * min(max_tokens, cfg.max_cached_batch)) \
+        if device_path and cfg.mode.streams else hp.top_k
+    tier = store.disk_tier(placement.disk_layers, host_cache_bytes(cfg), at_once, stats) \
         if placement.disk_layers else None
     # NOTE: a disk layer's bank is the map's view (shapes, types, addresses): its bytes are read through the tier
     host = {i: store.mapped[i] if i in placement.disk_layers else store.host(i) for i in placement.host_layers}
     resident = {i: store.resident(i) for i in placement.resident_layers}
     profile = Profile.load(cfg.profile_in) if cfg.profile_in else None
     rows = {layer: i for i, layer in enumerate(moe_layers)}
-    device_path = on_device(device)
     cpu = CpuTasks(host, rows, max_tokens, hp.top_k, hp.hidden, device,
                    cfg.cpu_threads or default_cpu_threads(device), tier) if cfg.mode.uses_cpu and host else None
     cap = link_cap(cfg, device)

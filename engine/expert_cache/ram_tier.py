@@ -176,7 +176,8 @@ class RamTier:
     def __init__(self, layouts: Mapping[int, ExpertWeights], locate: Callable[[int], tuple[Path, int]],
                  budget_bytes: int, min_slots: int, stats: CacheStats, pin: bool = False) -> None:
         """layouts: each disk layer's experts as views of the GGUF map (shapes, types, math and file offsets).
-        min_slots: the experts one token selects in a layer (top-k): a smaller tier is a startup error."""
+        min_slots: the experts of a layer the tier must hold at once (a token's top-k, or a decode step's where the
+        device streams them): a smaller tier is a startup error."""
         self.layouts, self.stats = layouts, stats
         self.extents = {layer: Extents.of(bank, locate) for layer, bank in layouts.items()}
         self.slot_bytes = max(bank.expert_bytes for bank in layouts.values())
@@ -184,8 +185,8 @@ class RamTier:
         if num_slots < min_slots:
             need = -(-min_slots * self.slot_bytes // MiB)
             raise ValueError(f"the host-RAM tier of {budget_bytes / MiB:.0f} MiB holds {num_slots} experts of "
-                             f"{self.slot_bytes / MiB:.2f} MiB; a token selects {min_slots}: give --host-cache-mib "
-                             f">= {need}")
+                             f"{self.slot_bytes / MiB:.2f} MiB; a layer needs {min_slots} at once: "
+                             f"give --host-cache-mib >= {need}")
         self.lru = SlotLru(num_slots)
         # NOTE: allocated once and never faulted in whole: a slot's pages are touched when it is first read into
         self.pool = torch.empty((num_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)

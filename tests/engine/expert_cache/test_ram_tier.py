@@ -121,7 +121,7 @@ def test_tier_ffn_equals_the_map_bank_with_more_experts_than_slots(weights: Mode
 
 
 def test_a_tier_smaller_than_one_tokens_experts_names_the_size_needed(weights: ModelWeights, gguf: GGUFFile) -> None:
-    with pytest.raises(ValueError, match="a token selects 4: give --host-cache-mib >= 1"):
+    with pytest.raises(ValueError, match="a layer needs 4 at once: give --host-cache-mib >= 1"):
         make_tier(weights, gguf, 3)
 
 
