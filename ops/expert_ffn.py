@@ -15,8 +15,9 @@ or what the bank's `ExpertMath` says between the matrices (biases, another activ
 - `ops.triton.expert_ffn_triton`: the grouped GEMV kernels on CUDA, for a bank in VRAM or pinned host
   memory. Its launcher `ops.triton.grouped_expert_ffn` reads pointer tables instead of a bank: the expert
   cache's slots are one.
-- `ops.grouped_gemm.expert_ffn_grouped_gemm`: grouped GEMMs on tensor cores, for large batches (prefill); with
-  `MOECACHE_PREFILL_EXPERTS=fused`, `ops.triton.moe_gemm`'s GEMMs that dequantize their weight tiles in registers.
+- `ops.grouped_gemm.expert_ffn_grouped_gemm`: grouped GEMMs on tensor cores, for large batches (prefill): on CUDA
+  `ops.triton.moe_gemm`'s GEMMs that dequantize their weight tiles in registers (`MOECACHE_PREFILL_EXPERTS=dequant`:
+  bf16 weights dequantized a chunk of experts at a time).
 - `expert_ffn`: the path for x's device.
 """
 

@@ -5,10 +5,12 @@ matrix work, where dequantizing in the inner loop (the GEMV kernels) wastes the 
 bank's experts are dequantized to bf16 a chunk of experts at a time, the (token, expert) pairs are
 sorted by expert, and each projection is one grouped GEMM (`torch._grouped_mm`) over the chunk.
 
-`MOECACHE_PREFILL_EXPERTS=fused` (default `dequant`, until measured on the GPU: `.ci/gpu-moe-gemm.py`) computes
-a CUDA bank whose three formats have tile kernels with `ops.triton.moe_gemm` instead: the same sorted pairs, the
-weights dequantized in registers inside the GEMM, nothing dequantized written to memory, no host sync. Other
-formats, other devices and other matmul dtypes keep the path above.
+A CUDA bank whose three formats have tile kernels takes `ops.triton.moe_gemm` instead
+(`MOECACHE_PREFILL_EXPERTS=fused`, the default; `dequant` selects the path above): the same sorted pairs, the weights
+dequantized in registers inside the GEMM, nothing dequantized written to memory, no host sync. On the H200
+(`.ci/gpu-moe-gemm.py`, one Qwen3-30B-A3B layer, docs/benchmarks.md) it is 1.2-1.6x the path above for Q4_K, Q6_K
+and Q8_0, 3-4x for Q4_0 and MXFP4, and level for Q5_K. Other formats, other devices and other matmul dtypes keep
+the path above.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ PrefillExperts = Literal["fused", "dequant"]
 
 
 def prefill_experts() -> PrefillExperts:
-    """`$MOECACHE_PREFILL_EXPERTS`: `fused` (`ops.triton.moe_gemm`) or `dequant` (the default; also when empty)."""
-    value = os.environ.get(PREFILL_EXPERTS) or "dequant"
+    """`$MOECACHE_PREFILL_EXPERTS`: `fused` (`ops.triton.moe_gemm`; the default, also when empty) or `dequant`."""
+    value = os.environ.get(PREFILL_EXPERTS) or "fused"
     if value not in ("fused", "dequant"):
         raise ValueError(f"{PREFILL_EXPERTS}: expected fused or dequant, got {value!r}")
     return value  # type: ignore[return-value]

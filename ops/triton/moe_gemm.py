@@ -64,7 +64,7 @@ class MoeGemmConfig:
     block_m: int | None = None  # pairs per tile (>= 16); None: from the mean pairs per expert
     block_n: int = 64  # output rows per program (halved until it divides the rows)
     block_k: int = 64  # weights per K step (halved until it divides K; a multiple of 16)
-    num_warps: int = 8  # 8 x 32 threads hold a BN x BK weight tile of each of gate and up without spilling
+    num_warps: int = 4  # H200, Qwen3-30B-A3B's Q4_K_M layer: 2.21 ms at 512 tokens where 8 warps took 3.28
     num_stages: int = 2
 
     def __post_init__(self) -> None:

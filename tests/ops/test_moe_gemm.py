@@ -145,9 +145,9 @@ def bank_with(bank: ExpertWeights, **raw: torch.Tensor) -> ExpertWeights:
 
 def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(PREFILL_EXPERTS, raising=False)
-    assert prefill_experts() == "dequant"
-    monkeypatch.setenv(PREFILL_EXPERTS, "fused")
     assert prefill_experts() == "fused"
+    monkeypatch.setenv(PREFILL_EXPERTS, "dequant")
+    assert prefill_experts() == "dequant"
     monkeypatch.setenv(PREFILL_EXPERTS, "mmq")
     with pytest.raises(ValueError, match=PREFILL_EXPERTS):
         prefill_experts()
