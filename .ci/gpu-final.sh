@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The H200 lease of docs/benchmarks.md ("The cached decode step and CPU-computed misses"), device calls back
 # to back on one machine (the machine goes back 30 s after a call returns):
-#   1: llama.cpp's CUDA build in the background and the model written meanwhile; every gpu test of tests/ops and
-#      tests/engine (eight pytest workers; what failed, again alone), then the build's end (up to 150 s more);
+#   1: llama.cpp's CUDA build, the models written meanwhile (Qwen3-30B-A3B's shapes and $SYNTH), then every gpu test
+#      of tests/ops and tests/engine (eight pytest workers; what failed, again alone);
 #   2: llama.cpp's rows on the same file (resident, -ncmoe 24; after its build), then every core free: resident and
 #      cached (lru, stream) at batch 1 after a 400-token warm-up (25/50/100%, 128 tokens a row), 8 sequences at 50%
 #      and llama.cpp's 8 sequences, small budgets against no cache (every policy), stream and hybrid at 25% (decay);
@@ -34,18 +34,21 @@ case "$1" in
 1)
   bash .device/h200-llamacpp.sh build
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  [ -f /tmp/qwen3moe-30b-a3b.gguf ] || PYTHONPATH=/tmp/site:$PWD python3 -m service.cli synth /tmp/qwen3moe-30b-a3b.gguf \
-    --preset qwen3moe-30b-a3b --device cuda > "$LOGS/synth.log" 2>&1 &
-  # NOTE: pytest-xdist carried as a wheel, tests spread one by one: the suite is mostly Triton compiles on the CPU.
-  # Eight workers leave the build some cores: beside ten, the build (ten jobs) ran past this call, into the next
-  # call's rows (2026-12-02, lease 9: 389 tests in 264 s)
-  # NOTE: the at-once rates' test measures the host's memory: alone, after the others
-  pytest_gpu suite 400 -n 8 tests/ops tests/engine -k "not neither_the_link_nor_the_cpu" \
-    || pytest_gpu suite-again 120 --last-failed tests/ops tests/engine  # what failed beside seven others, alone
-  pytest_gpu at-once 60 tests/engine/expert_cache/test_split.py
-  wait
-  for _ in $(seq 1 30); do grep -q BUILD_DONE /tmp/llamacpp/build.log 2>/dev/null && break; sleep 5; done
+  # NOTE: the build first, beside nothing that needs cores: beside eight pytest workers it reached 202 of 366 steps in
+  # 470 s and never finished in that lease (2026-12-03, lease 15); meanwhile the models are written (the GPU draws
+  # them: one core each) and the tests wait. SYNTH: the presets written besides Qwen3-30B-A3B's shapes.
+  for p in qwen3moe-30b-a3b ${SYNTH-gemma4-26b-a4b gpt-oss-20b}; do
+    [ -f /tmp/$p.gguf ] || PYTHONPATH=/tmp/site:$PWD timeout 240 python3 -m service.cli synth /tmp/$p.gguf \
+      --preset $p --device cuda > "$LOGS/synth-$p.log" 2>&1 &
+  done
+  for _ in $(seq 1 60); do grep -q BUILD_DONE /tmp/llamacpp/build.log 2>/dev/null && break; sleep 5; done
   tail -1 /tmp/llamacpp/build.log
+  wait
+  # NOTE: pytest-xdist carried as a wheel, tests spread one by one: the suite is mostly Triton compiles on the CPU
+  # NOTE: the at-once rates' test measures the host's memory: alone, after the others
+  pytest_gpu suite 240 -n 8 tests/ops tests/engine -k "not neither_the_link_nor_the_cpu" \
+    || pytest_gpu suite-again 60 --last-failed tests/ops tests/engine  # what failed beside seven others, alone
+  pytest_gpu at-once 40 tests/engine/expert_cache/test_split.py
   ;;
 2)
   # llama.cpp first, after its build: moecache's rows must not share the cores with the compile
