@@ -13,11 +13,16 @@ that feeds both no faster than the link alone, or a large cache) every miss is s
 
 The model is the prior, the clock the judge: the rates it is fit to are measured apart from the steps (on the H200
 host the at-once rates read 43 + 42 GB/s in one run and 35 + 32 in the next), so `SplitSearch` times the model's
-split, every miss on the CPU and every miss streamed over a few decode steps each, then moves the share from the
-fastest while that is faster, and keeps the fastest. The engine re-measures the CPU as it runs (`CpuTasks.work`)
-and refits the model; after `FIRST_RESEARCH` decode steps (the first search ran while a cache was filling), then
-every `Split.research`, a new search starts from the split running then, with the model's split among the
-candidates."""
+split, every miss on the CPU and every miss streamed on decode steps, then the fastest's neighbours (shares 0.1
+either side) beside the fastest while one beats it, and keeps the fastest. A phase's candidates take turns of a few
+steps for a few rounds, so a cache still warming or routing that drifts weighs on them alike (timed in one block
+each, a candidate timed later looks faster); a candidate's time is the median of its timed steps (medians of 6 steps
+differ by a few % from noise alone). The later misses of the CPU's experts come after the few steps a candidate
+runs, so where the cache holds experts each step is charged them before the search sees it: `later_misses_of` x the
+bytes the CPU computed in the step (its counters, `CpuWork.bytes`) / the link's rate. The engine re-measures the CPU
+as it runs (`CpuTasks.work`) and refits the model; after `FIRST_RESEARCH` decode steps (the first search ran while a
+cache was filling), then every `Split.research`, a new search starts from the split running then, with the model's
+split among the candidates."""
 
 from __future__ import annotations
 
@@ -25,7 +30,6 @@ import itertools
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -256,45 +260,56 @@ def best_split(expert_bytes: int, link: float, cpu: float, fixed: float, at_once
 
 
 class SplitSearch:
-    """The fastest (share, lead) of decode steps as timed (module doc): the prior (running when the search starts),
-    the `others` (the model's split), every miss on the CPU, every miss streamed, then shares `delta` either side of
-    the fastest while one is faster. Each candidate runs `settle` steps that still ran (part of) the one before, then
-    `steps` timed ones; their median seconds a token is its time. Plain Python: `observe` takes each decode step's
-    seconds a token."""
+    """The fastest (share, lead) of decode steps as timed (module doc), in phases: first the prior (running when the
+    search starts), the `others` (the model's split), every miss on the CPU and every miss streamed; then the
+    fastest's untimed neighbours (shares `delta` either side) beside the fastest itself, while one beats it. A
+    phase's candidates take turns for `rounds` rounds, each turn `settle` steps that still ran (part of) the one
+    before, then `steps_per_round` timed ones; the median of a candidate's timed steps in its last phase is its time.
+    Plain Python: `observe` takes each decode step's seconds a token."""
 
-    def __init__(self, prior: tuple[float, float], others: Sequence[tuple[float, float]] = (), steps: int = 4,
-                 settle: int = 2, delta: float = 0.1) -> None:
-        self.steps, self.settle, self.delta = steps, settle, delta
+    def __init__(self, prior: tuple[float, float], others: Sequence[tuple[float, float]] = (), rounds: int = 3,
+                 steps_per_round: int = 2, settle: int = 2, delta: float = 0.1) -> None:
+        self.rounds, self.steps_per_round, self.settle, self.delta = rounds, steps_per_round, settle, delta
         self.best, self.best_seconds = prior, math.inf
-        self.times: dict[tuple[float, float], float] = {}  # every candidate timed so far
-        self._current: tuple[float, float] | None = prior
-        self._queue = deque(dict.fromkeys(c for c in (*others, (0.0, 0.0), (1.0, 0.0)) if c != prior))
-        self._seen: list[float] = []
+        self.times: dict[tuple[float, float], float] = {}  # every candidate timed so far, in its last phase
+        self._start(list(dict.fromkeys((prior, *others, (0.0, 0.0), (1.0, 0.0)))))
+
+    def _start(self, phase: list[tuple[float, float]]) -> None:
+        self._phase, self._turn = phase, 0
+        self._seen: list[float] = []  # the running turn's steps
+        self._timed: dict[tuple[float, float], list[float]] = {c: [] for c in phase}
 
     @property
     def is_done(self) -> bool:
-        return self._current is None
+        return not self._phase
+
+    @property
+    def _current(self) -> tuple[float, float]:
+        return self._phase[self._turn % len(self._phase)]
 
     def observe(self, seconds_per_token: float) -> tuple[float, float] | None:
         """A decode step's seconds a token -> the split to run from the next step, where it changes."""
-        if self._current is None:
+        if not self._phase:
             return None
         self._seen.append(seconds_per_token)
-        if len(self._seen) < self.settle + self.steps:
+        if len(self._seen) < self.settle + self.steps_per_round:
             return None
-        timed = sorted(self._seen[self.settle:])[self.steps // 2]
-        self.times[self._current] = timed
-        if timed < self.best_seconds:
-            self.best, self.best_seconds = self._current, timed
-        return self._next()
-
-    def _next(self) -> tuple[float, float] | None:
-        if not self._queue:  # the fastest's neighbours not timed yet
-            self._queue.extend(c for c in self._neighbours(self.best) if c not in self.times)
         previous = self._current
-        self._current, self._seen = (self._queue.popleft() if self._queue else None), []
-        following = self._current if self._current is not None else self.best
+        self._timed[previous] += self._seen[self.settle:]
+        self._turn, self._seen = self._turn + 1, []
+        if self._turn == self.rounds * len(self._phase):
+            self._end_phase()
+        following = self._current if self._phase else self.best
         return following if following != previous else None
+
+    def _end_phase(self) -> None:
+        for split, timed in self._timed.items():
+            self.times[split] = sorted(timed)[len(timed) // 2]
+        fastest = min(self._phase, key=self.times.__getitem__)  # NOTE: a tie keeps the phase's first (the reference)
+        moved = fastest != self.best or math.isinf(self.best_seconds)  # the first phase always moves on
+        self.best, self.best_seconds = fastest, self.times[fastest]
+        untimed = [c for c in self._neighbours(fastest) if c not in self.times] if moved else []
+        self._start([fastest, *untimed] if untimed else [])
 
     def _neighbours(self, split: tuple[float, float]) -> list[tuple[float, float]]:
         share, lead = split
@@ -325,6 +340,7 @@ class Split:
         self.share, self.lead = (1.0 if not mode.uses_cpu else 0.0), 0.0
         self._steps, self._cpu_alone = 0, 0.0
         self._last: CpuWork | None = None
+        self._cpu_bytes: int | None = None  # the CPU's bytes at the last step, for `_later_seconds`
         self.model = (self.share, self.lead)  # the model's split (module doc), the searches' prior
         self.search: SplitSearch | None = None
         self._search_at = min(FIRST_RESEARCH, research)  # the next search's step (once the one before is done)
@@ -388,22 +404,32 @@ class Split:
         """Both the link and the CPU take misses (hybrid mode may stream them all)."""
         return 0.0 < self.share < 1.0
 
-    def update(self, work: CpuWork, seconds_per_token: float) -> tuple[float, float] | None:
-        """After a decode step (its CPU counters, its seconds a token): the new (share, lead) where it changes."""
+    def update(self, work: CpuWork, seconds_per_token: float, num_tokens: int = 1) -> tuple[float, float] | None:
+        """After a decode step of `num_tokens` tokens (the CPU counters as they stand, its seconds a token): the new
+        (share, lead) where it changes. The search sees the step charged its later misses (`_later_seconds`)."""
         if not self.hybrid:
             return None
         self._steps += 1
+        later = self._later_seconds(work) / max(num_tokens, 1)
         self._remodel(work)
         if self.search is not None and self.search.is_done and self._steps >= self._search_at:
             # NOTE: from the split running now, the model's as it stands among the others
             self.search = SplitSearch((self.share, self.lead), [self.model])
             self._search_at = self._steps + self.research
         assert self.search is not None
-        following = self.search.observe(seconds_per_token)
+        following = self.search.observe(seconds_per_token + later)
         if following is None or following == (self.share, self.lead):
             return None
         self.share, self.lead = following
         return following
+
+    def _later_seconds(self, work: CpuWork) -> float:
+        """The link's seconds for the later misses of the experts the CPU computed since the last step (its bytes
+        from the counters); none without a cache."""
+        before, self._cpu_bytes = self._cpu_bytes, work.bytes
+        if before is None or self.later_misses <= 0 or self.link_gbps <= 0:
+            return 0.0
+        return self.later_misses * max(work.bytes - before, 0) / (self.link_gbps * 1e9)
 
     def _remodel(self, work: CpuWork) -> None:
         """Every `every` steps: the CPU's rate from its counters, and the model's split from it."""
