@@ -75,7 +75,7 @@ class ExpertCache:
             self.manager.observe(record, upload_cpu_misses=self.split.uploads_cpu_misses)
             if self.cpu is not None:
                 seconds = self._pending_seconds / max(record.num_tokens, 1)
-                self._split = self.split.update(self.cpu.work(), seconds) or self._split
+                self._split = self.split.update(self.cpu.work(), seconds, record.num_tokens) or self._split
 
     def step_done(self) -> StepRecord:
         """Take the finished step's record (to be processed while the next step runs)."""
