@@ -22,14 +22,15 @@ from ops import quants  # noqa: E402
 from ops.bank import ExpertWeights  # noqa: E402
 from ops.grouped_gemm import PREFILL_EXPERTS, expert_ffn_grouped_gemm  # noqa: E402
 from ops.quants import QType  # noqa: E402
-from ops.triton.moe_gemm import FORMATS, MoeGemmConfig, expert_ffn_moe_gemm  # noqa: E402
+from ops.triton.moe_gemm import MoeGemmConfig, expert_ffn_moe_gemm  # noqa: E402
+from ops.triton.qdot import KERNEL_TYPES  # noqa: E402
 
 HIDDEN, FF, EXPERTS, TOP_K = 2048, 768, 128, 8
 TOKENS = (512, 2048)
 CUDA = torch.device("cuda")
 # the most used first: the budget may cut the last ones
 ORDER = (QType.Q4_K, QType.MXFP4, QType.Q8_0, QType.Q6_K, QType.Q4_0, QType.Q5_K)
-LAYERS = [(QType.Q4_K, QType.Q4_K, QType.Q6_K)] + [(t, t, t) for t in sorted(FORMATS, key=ORDER.index)]
+LAYERS = [(QType.Q4_K, QType.Q4_K, QType.Q6_K)] + [(t, t, t) for t in sorted(KERNEL_TYPES, key=ORDER.index)]
 SWEEP = [MoeGemmConfig(block_n=128), MoeGemmConfig(block_k=128), MoeGemmConfig(num_warps=4),
          MoeGemmConfig(num_stages=3)]
 Pairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

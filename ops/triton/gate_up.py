@@ -161,7 +161,7 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
     source = fill.host if fill is not None else tables
     math = tables.math
     biases = math.gate_bias is not None or math.up_bias is not None
-    gate_biases, up_biases = h, h  # placeholders, unread without biases
+    gate_biases, up_biases = h, h  # any pointer: the kernel reads the biases only where BIAS is set
     if biases:
         gate_biases, up_biases = (bias_rows(b, tables.num_experts, tables.ff, device)
                                   for b in (math.gate_bias, math.up_bias))

@@ -36,22 +36,10 @@ from ops.expert_math import ExpertMath
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows, check_vector, interpreting
 from ops.triton.dequant import _byte, _f16_at, _float, _scale_min_k4
 from ops.triton.gate_up import ACTIVATIONS, _activation
-from ops.triton.qdot import _e2m1_times, _e8m0_half
-from ops.triton.tables import QType
+from ops.triton.qdot import KERNEL_TYPES, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _e2m1_times, _e8m0_half, has_kernel
 
-Q4_0 = tl.constexpr(int(QType.Q4_0))
-Q8_0 = tl.constexpr(int(QType.Q8_0))
-Q4_K = tl.constexpr(int(QType.Q4_K))
-Q5_K = tl.constexpr(int(QType.Q5_K))
-Q6_K = tl.constexpr(int(QType.Q6_K))
-MXFP4 = tl.constexpr(int(QType.MXFP4))
-FORMATS = (QType.Q4_0, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.MXFP4)
-GROUP = 16  # weights sharing one scale, in every format above
+GROUP = 16  # weights sharing one scale, in every format of KERNEL_TYPES
 SUM_COLS = 256  # columns per program of the per-token sum
-
-
-def has_kernel(qtype: QType) -> bool:
-    return qtype in FORMATS
 
 
 def covers(bank: ExpertWeights) -> bool:
@@ -353,7 +341,7 @@ def _check(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, we
         check_device(name, getattr(bank, name), device)
         qtype = getattr(bank, f"{name}_type")
         if not has_kernel(qtype):
-            raise ValueError(f"{name}: no tile kernel for {qtype.name} (formats: {[t.name for t in FORMATS]})")
+            raise ValueError(f"{name}: no tile kernel for {qtype.name} (formats: {[t.name for t in KERNEL_TYPES]})")
     if bank.hidden % GROUP or bank.ff % GROUP:
         raise ValueError(f"hidden {bank.hidden} and ff {bank.ff} must be multiples of {GROUP}")
     math = bank.math

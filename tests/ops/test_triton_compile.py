@@ -83,7 +83,7 @@ def test_prepare_compiles_for_sm90(qtype: QType) -> None:
 MOE_GEMM_TYPES = {"x": "*bf16", "h": "*bf16", "gate": "*u8", "up": "*u8", "down": "*u8", "order": "*i32",
                   "ends": "*i32", "tile_ends": "*i32", "by_token": "*i32", "token_ends": "*i32", "key": "*i32",
                   "gate_bias": "*fp32", "up_bias": "*fp32", "down_bias": "*fp32", "alpha": "fp32", "limit": "fp32"}
-MOE_GEMM_VARIANTS = [(t, "silu", False) for t in moe_gemm.FORMATS] + \
+MOE_GEMM_VARIANTS = [(t, "silu", False) for t in moe_gemm.KERNEL_TYPES] + \
     [(QType.MXFP4, "swiglu_oai", True), (QType.Q4_K, "gelu", True)]
 
 
