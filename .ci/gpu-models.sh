@@ -6,6 +6,7 @@
 # warm-up, as llama-bench's tg128). Every log and JSON in $LOGS (packed into $OUT/gpu-logs.tgz where $OUT is set).
 # With PROFILE=1, each preset's resident decode step is profiled after its rows (.ci/gpu-step-profile.py: the kernels
 # by time, and the middle step's first 120 kernels in order: a layer's ops one by one).
+# PLACEMENTS (default "resident host") and LLAMA_ROWS (default "resident half") pick the rows where a lease is short.
 # Usage: bash .ci/gpu-models.sh [PRESET ...]   (default: gemma4-26b-a4b deepseek-v2-lite gpt-oss-20b)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,9 @@ for p in "${presets[@]}"; do
   [ -f "$model" ] || timeout 240 python3 -m service.cli synth "$model" --preset "$p" --device "${SYNTH_DEVICE:-cuda}" \
     > "$LOGS/synth-$p.log" 2>&1
   if [ -x $LLAMA ]; then
-    for args in "-ngl 99" "-ngl 99 -ncmoe ${HALF[$p]:-0}"; do
+    for row in ${LLAMA_ROWS:-resident half}; do
+      args="-ngl 99"
+      [ "$row" = half ] && args="-ngl 99 -ncmoe ${HALF[$p]:-0}"
       echo "== llama-bench $args ($p)" | tee -a "$LOGS/llamacpp-$p.log"
       # shellcheck disable=SC2086
       timeout 120 $LLAMA -m "$model" -fa 1 -t "$(nproc)" -r 2 -p 512 -n 128 $args 2>&1 | grep -E "^\||error|failed" \
@@ -33,7 +36,7 @@ for p in "${presets[@]}"; do
   else
     echo "no llama.cpp build at $LLAMA: its rows are missing" | tee -a "$LOGS/llamacpp-$p.log"
   fi
-  for placement in resident host; do  # every expert resident; every routed expert in host RAM, no cache and 50%
+  for placement in ${PLACEMENTS:-resident host}; do  # every expert resident; every routed expert in host RAM, no cache and 50%
     args="--n-cpu-moe 0"
     [ $placement = host ] && args="--cpu-moe --budget-frac 0,0.5"
     # shellcheck disable=SC2086

@@ -109,7 +109,8 @@ def measure_stream_gbps(bank: ExpertWeights, device: torch.device, rounds: int =
     return _device_gbps(_streamer(bank, device), rounds, k * bank.expert_bytes)
 
 
-def measure_shared_gbps(link_bank: ExpertWeights, cpu_bank: ExpertWeights, device: torch.device, num_threads: int,
+def measure_shared_gbps(link_bank: ExpertWeights, cpu_bank: ExpertWeights, device: torch.device,
+                        num_threads: int | None,
                         seconds: float = 0.1, repeats: int = 3) -> tuple[float, float]:
     """(device, CPU) expert bytes a second with both reading host memory at once: the device streams
     `link_bank`'s experts for `seconds` in a thread while the CPU kernel computes `cpu_bank`'s, 8 of one token a

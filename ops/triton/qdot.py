@@ -306,20 +306,35 @@ def _q80_load(start, c, m):
 
 
 @triton.jit
+def _q80_tiles(wa, wb, c, m, TWO: tl.constexpr):
+    qa, da = _q80_load(wa, c, m)
+    qb, db = qa, da
+    if TWO:
+        qb, db = _q80_load(wb, c, m)
+    return qa, da, qb, db
+
+
+@triton.jit
 def _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr):
+              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr, AHEAD: tl.constexpr):
     """Q8_0 rows; wa, wb: int16 pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 halves]`;
-    byte b of half 1 + m of block c, xor 0x80, is the int8 code of weight 32c + 2m + b, plus 128."""
+    byte b of half 1 + m of block c, xor 0x80, is the int8 code of weight 32c + 2m + b, plus 128.
+    AHEAD: the next step's tiles are loaded before this step's arithmetic (see `rows_dot`)."""
     m = tl.arange(0, 16)[None, None, :]
     zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for g in range(K // 32 // NB):
+    STEPS = K // 32 // NB
+    if AHEAD:
+        na, nda, nb, ndb = _q80_tiles(wa, wb, tl.arange(0, NB)[None, :, None], m, TWO)
+    for g in range(STEPS):
         c = NB * g + tl.arange(0, NB)[None, :, None]
-        qa, da = _q80_load(wa, c, m)
-        qb, db = qa, da
-        if TWO:
-            qb, db = _q80_load(wb, c, m)
+        if AHEAD:
+            qa, da, qb, db = na, nda, nb, ndb
+            na, nda, nb, ndb = _q80_tiles(wa, wb, NB * tl.minimum(g + 1, STEPS - 1) + tl.arange(0, NB)[None, :, None],
+                                          m, TWO)
+        else:
+            qa, da, qb, db = _q80_tiles(wa, wb, c, m, TWO)
         for b in tl.static_range(2):
             v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * b + m, BT)
             q = _code_times((qa ^ (128 << (8 * b))) & (255 << (8 * b)), magic, da, -8388608.0 * da)
@@ -342,22 +357,38 @@ def _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
 
 
 @triton.jit
+def _q40_tiles(wa, wb, c, m, TWO: tl.constexpr):
+    """Code halves `[BR, NB, 8]` and the block scales (the same along m) of blocks c of both matrices."""
+    qa = tl.load(wa[:, None, None] + 9 * c + 1 + m).to(tl.int32)
+    da = _f16(tl.load(wa[:, None, None] + 9 * c + 0 * m).to(tl.int32))
+    qb, db = qa, da
+    if TWO:
+        qb = tl.load(wb[:, None, None] + 9 * c + 1 + m).to(tl.int32)
+        db = _f16(tl.load(wb[:, None, None] + 9 * c + 0 * m).to(tl.int32))
+    return qa, da, qb, db
+
+
+@triton.jit
 def _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr):
+              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr, AHEAD: tl.constexpr):
     """Q4_0 rows; wa, wb: int16 pointers `[BR]` to each row. Tile `[BR, NB blocks, 8 halves]`; byte b of half 1 + m
-    of block c holds weights 32c + 2m + b (low nibble) and 32c + 16 + 2m + b (high); w = d * (q - 8)."""
+    of block c holds weights 32c + 2m + b (low nibble) and 32c + 16 + 2m + b (high); w = d * (q - 8). AHEAD: the
+    next step's tiles are loaded before this step's arithmetic (see `rows_dot`)."""
     m = tl.arange(0, 8)[None, None, :]
     zero = tl.zeros([wa.shape[0], NB, 8], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for g in range(K // 32 // NB):
+    STEPS = K // 32 // NB
+    if AHEAD:
+        na, nda, nb, ndb = _q40_tiles(wa, wb, tl.arange(0, NB)[None, :, None], m, TWO)
+    for g in range(STEPS):
         c = NB * g + tl.arange(0, NB)[None, :, None]
-        qa = tl.load(wa[:, None, None] + 9 * c + 1 + m).to(tl.int32)
-        da = _f16(tl.load(wa[:, None, None] + 9 * c + 0 * m).to(tl.int32))
-        qb, db = qa, da
-        if TWO:
-            qb = tl.load(wb[:, None, None] + 9 * c + 1 + m).to(tl.int32)
-            db = _f16(tl.load(wb[:, None, None] + 9 * c + 0 * m).to(tl.int32))
+        if AHEAD:
+            qa, da, qb, db = na, nda, nb, ndb
+            na, nda, nb, ndb = _q40_tiles(wa, wb, NB * tl.minimum(g + 1, STEPS - 1) + tl.arange(0, NB)[None, :, None],
+                                          m, TWO)
+        else:
+            qa, da, qb, db = _q40_tiles(wa, wb, c, m, TWO)
         for n in tl.static_range(2):
             for b in tl.static_range(2):
                 E = 8 * b + 4 * n
@@ -405,18 +436,33 @@ def _e2m1_times(code, magic, s):
 
 
 @triton.jit
+def _mxfp4_tiles(wa, wb, c, j, TWO: tl.constexpr):
+    qa, sa = _mxfp4_load(wa, c, j)
+    qb, sb = qa, sa
+    if TWO:
+        qb, sb = _mxfp4_load(wb, c, j)
+    return qa, sa, qb, sb
+
+
+@triton.jit
 def _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
-                NB: tl.constexpr):
-    """MXFP4 rows; wa, wb: byte pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 bytes]`; no code offset."""
+                NB: tl.constexpr, AHEAD: tl.constexpr):
+    """MXFP4 rows; wa, wb: byte pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 bytes]`; no code offset.
+    AHEAD: the next step's tiles are loaded before this step's arithmetic (see `rows_dot`)."""
     j = tl.arange(0, 16)[None, None, :]
     zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for g in range(K // 32 // NB):
+    STEPS = K // 32 // NB
+    if AHEAD:
+        na, nsa, nb, nsb = _mxfp4_tiles(wa, wb, tl.arange(0, NB)[None, :, None], j, TWO)
+    for g in range(STEPS):
         c = NB * g + tl.arange(0, NB)[None, :, None]
-        qa, sa = _mxfp4_load(wa, c, j)
-        qb, sb = qa, sa
-        if TWO:
-            qb, sb = _mxfp4_load(wb, c, j)
+        if AHEAD:
+            qa, sa, qb, sb = na, nsa, nb, nsb
+            na, nsa, nb, nsb = _mxfp4_tiles(wa, wb, NB * tl.minimum(g + 1, STEPS - 1) + tl.arange(0, NB)[None, :, None],
+                                            j, TWO)
+        else:
+            qa, sa, qb, sb = _mxfp4_tiles(wa, wb, c, j, TWO)
         for n in tl.static_range(2):
             v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * n + j, BT)
             a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, _e2m1_times(qa >> (4 * n), magic, sa), v0, v1, v2, v3, BT)
@@ -430,11 +476,14 @@ def _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K: tl.constexpr, BT: tl.constexpr
 
 @triton.jit
 def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-             FMT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr):
+             FMT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, AHEAD: tl.constexpr = 0):
     """Dots of rows `rows` (`[BR]`, all in range) of the matrices at byte addresses addr_a and, if TWO,
     addr_b (int64, 16-byte aligned, rows of row_bytes, format FMT, K columns) with activation rows
     x0..x3 (pointers to rows prepared for FMT; BT slots used) and their sums per 16 columns s0..s3
     (pointers); magic = 0x4B000000. Nothing is masked: callers clamp rows and point empty slots at a valid row.
+    AHEAD (Q8_0, Q4_0, MXFP4; 0 or 1): each step's weight tiles are loaded one step ahead, so that a thread keeps
+    two steps' loads in flight while it computes (the decode kernels wait on memory latency, not bandwidth, when a
+    layer's few experts give each SM a few programs); the last step reloads its own tiles.
     Returns `[BR]` float32 for (a, slot 0..3), then (b, slot 0..3)."""
     if FMT == Q4_K or FMT == Q5_K:
         wa = addr_a.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
@@ -447,7 +496,8 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     elif FMT == MXFP4:
         wa = addr_a.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
-        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K, BT, TWO, ((K // 32) | 8) & (-((K // 32) | 8)))
+        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K, BT, TWO, ((K // 32) | 8) & (-((K // 32) | 8)),
+                          AHEAD)
     else:
         tl.static_assert(FMT == Q8_0 or FMT == Q4_0, "rows_dot: no kernel for this format")
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
@@ -455,9 +505,9 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
         # blocks a step: the largest of 8, 4, 2, 1 that divides the row (lowest set bit of n | 8); the same below
         if FMT == Q8_0:
             out = _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
-                            ((K // 32) | 8) & (-((K // 32) | 8)))
+                            ((K // 32) | 8) & (-((K // 32) | 8)), AHEAD)
         else:
             out = _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
-                            ((K // 32) | 8) & (-((K // 32) | 8)))
+                            ((K // 32) | 8) & (-((K // 32) | 8)), AHEAD)
     return out
 

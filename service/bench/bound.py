@@ -6,6 +6,10 @@
 
 Hit expert bytes are the cached share of those selected host experts plus the selected experts of the
 layers resident on the device: both are read from device memory.
+
+The link and the CPU read the same host memory. Where the ceilings hold their rates measured at once (on CUDA),
+the host's bound puts those in the sum instead, `miss_bytes / (link_at_once + cpu_at_once)`: what the host's
+memory gives the two readers together (docs/benchmarks.md, "The bound beside each figure").
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Bound:
     gpu_floor_seconds: float
     miss_seconds: float
     miss_bytes: float
+    host_seconds: float | None = None  # the bound with the link's and the CPU's rates at once; None: not measured
 
     @property
     def tokens_per_second(self) -> float:
@@ -43,6 +48,10 @@ class Bound:
     def share_of(self, tokens_per_second: float) -> float:
         """t_bound / t_measured: how close a measured decode speed comes to the bound."""
         return tokens_per_second * self.seconds
+
+    def host_share_of(self, tokens_per_second: float) -> float | None:
+        """t_host_bound / t_measured, where the at-once rates were measured."""
+        return None if self.host_seconds is None else tokens_per_second * self.host_seconds
 
 
 def _tensors(items: Iterable[object]) -> Iterator[torch.Tensor]:
@@ -76,4 +85,7 @@ def decode_bound(token: TokenBytes, hit_ratio: float, ceilings: Ceilings) -> Bou
     miss_bytes = (1.0 - hit_ratio) * token.host_experts
     gpu_floor = (token.dense + hit_bytes) / (ceilings.hbm_gbps * 1e9)
     miss = miss_bytes / ((ceilings.link_gbps + ceilings.cpu_expert_gbps) * 1e9)
-    return Bound(max(gpu_floor, miss), gpu_floor, miss, miss_bytes)
+    host = None
+    if ceilings.at_once_gbps is not None:
+        host = max(gpu_floor, miss, miss_bytes / (sum(ceilings.at_once_gbps) * 1e9))
+    return Bound(max(gpu_floor, miss), gpu_floor, miss, miss_bytes, host)

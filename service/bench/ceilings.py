@@ -3,8 +3,10 @@
 On a CUDA device: pinned host -> device copy (PCIe), a device kernel reading pinned host memory in place
 (zero-copy, the Triton gather of `ops.triton`; n/a without Triton), device memory (a large
 device-to-device copy, bytes read + written), host memory read, and the CPU expert kernel on this
-model's expert shape. Without an accelerator the "device" is the host, so its ceilings are the host's:
-a host memory copy for the link, a host memory read for zero-copy, a host copy (read + written) for HBM.
+model's expert shape, and on CUDA the link and the CPU expert kernel reading host memory at once (both share the
+host's memory controllers, so together they read less than the sum of their rates alone). Without an accelerator
+the "device" is the host, so its ceilings are the host's: a host memory copy for the link, a host memory read for
+zero-copy, a host copy (read + written) for HBM.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.expert_cache.split import measure_link_gbps
+from engine.expert_cache.split import measure_link_gbps, measure_shared_gbps
 from ops.bank import ExpertWeights, row_bytes
 from ops.quants import QType
 from tools.bench_cpu import benchmark_cpu_experts, memory_bandwidth_gbps
@@ -51,13 +53,16 @@ class Ceilings:
     cpu_expert_gbps: float  # CPU expert kernel, expert bytes per second, one token of top_k experts
     cpu_expert_path: str  # which kernel ran: "native-<simd>" or "torch"
     link_capped: bool = False  # the link figures are `--link-gbps`'s simulated link, not the machine's
+    at_once_gbps: tuple[float, float] | None = None  # (link, CPU experts) reading host memory together; None: not run
 
     def capped(self, gbps: float | None) -> Ceilings:
         """The ceilings of a simulated slower link (`--link-gbps`), which bound the streamed misses."""
         if gbps is None:
             return self
         zero_copy = None if self.zero_copy_gbps is None else min(self.zero_copy_gbps, gbps)
-        return replace(self, link_gbps=min(self.link_gbps, gbps), zero_copy_gbps=zero_copy, link_capped=True)
+        at_once = None if self.at_once_gbps is None else (min(self.at_once_gbps[0], gbps), self.at_once_gbps[1])
+        return replace(self, link_gbps=min(self.link_gbps, gbps), zero_copy_gbps=zero_copy, link_capped=True,
+                       at_once_gbps=at_once)
 
 
 def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], repeats: int = 5) -> float:
@@ -123,5 +128,7 @@ def measure_ceilings(device: torch.device, shape: ExpertShape, num_threads: int 
         return Ceilings("host (no accelerator): device ceilings are the host's",
                         measure_link_gbps(device, HOST_BYTES), host["read"], host["copy"], host["read"],
                         expert_gbps, path)
+    at_once = measure_shared_gbps(pinned_bank(shape, HOST_BYTES), pinned_bank(shape, HOST_BYTES), device, num_threads)
     return Ceilings(torch.cuda.get_device_name(device), measure_link_gbps(device, HOST_BYTES),
-                    zero_copy_gbps(device, shape), device_copy_gbps(device), host["read"], expert_gbps, path)
+                    zero_copy_gbps(device, shape), device_copy_gbps(device), host["read"], expert_gbps, path,
+                    at_once_gbps=at_once)

@@ -68,7 +68,8 @@ def _result_json(r: ConfigResult | Skipped) -> dict[str, Any]:
     if r.bound is not None:
         single = r.decode_at(1).tokens_per_second
         out["bound"] |= {"tokens_per_second": r.bound.tokens_per_second,
-                         "share_of_bound": r.bound.share_of(single)}
+                         "share_of_bound": r.bound.share_of(single),
+                         "share_of_host_bound": r.bound.host_share_of(single)}
     return {**out, "phases": [_phase_json(p) for p in r.phases]}
 
 
@@ -89,7 +90,8 @@ def write_json(report: BenchReport, path: str | Path) -> None:
 
 COLUMNS = (("budget", 8), ("cache MiB", 9), ("cached", 7), ("policy", 6), ("miss", 6), ("batch", 5),
            ("tok/s", 8), ("hit", 6), ("up KB/tok", 9), ("stream KB/tok", 13), ("cpu exp/tok", 11), ("cpu ms/tok", 10),
-           ("disk KB/tok", 11), ("prefill tok/s", 13), ("TTFT ms", 8), ("bound ms/tok", 12), ("of bound", 8))
+           ("disk KB/tok", 11), ("prefill tok/s", 13), ("TTFT ms", 8), ("bound ms/tok", 12), ("of bound", 8),
+           ("of host", 7))
 
 
 def _row(cells: list[str]) -> str:
@@ -102,9 +104,11 @@ def _rows(r: ConfigResult) -> list[str]:
     prefill = [f"{r.prefill.tokens_per_second:.0f}", f"{r.prefill.ttft_seconds * 1e3:.1f}"]
     lines = []
     for n, d in enumerate(r.decode):
-        bound = ["", ""]
+        bound = ["", "", ""]
         if d.batch == 1 and r.bound is not None:
-            bound = [f"{r.bound.seconds * 1e3:.3f}", f"{r.bound.share_of(d.tokens_per_second):.1%}"]
+            host = r.bound.host_share_of(d.tokens_per_second)
+            bound = [f"{r.bound.seconds * 1e3:.3f}", f"{r.bound.share_of(d.tokens_per_second):.1%}",
+                     "" if host is None else f"{host:.1%}"]
         decode = [str(d.batch), f"{d.tokens_per_second:.1f}", f"{d.hit_ratio:.1%}",
                   f"{d.uploaded_bytes_per_token / KB:.0f}", f"{d.streamed_bytes_per_token / KB:.0f}",
                   f"{d.cpu_experts_per_token:.1f}", f"{d.cpu_seconds_per_token * 1e3:.2f}",
@@ -128,11 +132,13 @@ def _header(report: BenchReport) -> list[str]:
             f"ceilings on {c.device}: link {c.link_gbps:.3g} GB/s{' (--link-gbps)' if c.link_capped else ''}, "
             f"zero-copy {zero_copy}, "
             f"HBM {c.hbm_gbps:.4g} GB/s, CPU read {c.cpu_read_gbps:.3g} GB/s, "
-            f"CPU experts {c.cpu_expert_gbps:.3g} GB/s ({c.cpu_expert_path})",
+            f"CPU experts {c.cpu_expert_gbps:.3g} GB/s ({c.cpu_expert_path})"
+            + ("" if c.at_once_gbps is None else
+               f", link + CPU experts at once {c.at_once_gbps[0]:.3g} + {c.at_once_gbps[1]:.3g} GB/s"),
             f"prefill: {s.prompt_len} tokens; decode: {s.gen_len} tokens per request after a "
             f"{s.decode_prompt_len}-token prompt, batches {batches}; medians of {s.repeats} measured run(s) "
             f"after a warm-up{f' of {s.warmup_gen_len} tokens' if s.warmup_gen_len else ''}; "
-            "bound: batch-1 decode (docs/benchmarks.md)",
+            "bound: batch-1 decode (docs/benchmarks.md); of host: of the bound with link and CPU at once",
             *_placements(report.results)]
 
 

@@ -109,13 +109,14 @@ def test_the_bound_is_beside_the_batch_one_figure(bench: BenchRun) -> None:
         b, speed = c["bound"], c["decode"][0]["tokens_per_second"]
         assert b["seconds"] == max(b["gpu_floor_seconds"], b["miss_seconds"]) > 0
         assert b["share_of_bound"] == pytest.approx(b["seconds"] * speed)
+        assert b["host_seconds"] is None and b["share_of_host_bound"] is None  # no device: no at-once rates
         missed = 1 - c["decode"][0]["hit_ratio"]
         assert b["miss_bytes"] == pytest.approx(missed * c["token_bytes"]["host_experts"])
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in bench.stdout.splitlines()
             if line.startswith("|")]
-    assert rows[0][-2:] == ["bound ms/tok", "of bound"] and len(rows) == 2 + 8 * len(BATCHES)
+    assert rows[0][-3:] == ["bound ms/tok", "of bound", "of host"] and len(rows) == 2 + 8 * len(BATCHES)
     for row in rows[2:]:  # the bound and its share on each batch-1 row only
-        assert row[5] in ("1", "2") and row[-1].endswith("%") == (row[5] == "1")
+        assert row[5] in ("1", "2") and row[-2].endswith("%") == (row[5] == "1") and row[-1] == ""
 
 
 def test_the_plot_is_a_png_with_two_panels_worth_of_pixels(bench: BenchRun) -> None:

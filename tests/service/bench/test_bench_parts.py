@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,20 @@ def test_the_bound_is_the_slower_of_device_memory_and_the_miss_paths() -> None:
     assert resident.miss_seconds == 0 and resident.seconds == pytest.approx(0.002)
     with pytest.raises(ValueError, match="hit ratio"):
         decode_bound(token, 1.5, ceilings())
+
+
+def test_the_host_bound_takes_the_link_and_the_cpu_at_once() -> None:
+    token = TokenBytes(int(GB), int(GB), 0)
+    alone = ceilings(link=50.0, cpu=50.0)
+    assert decode_bound(token, 0.0, alone).host_seconds is None  # not measured: no host bound
+    shared = replace(alone, at_once_gbps=(30.0, 20.0))  # the host gives both 50 GB/s together, not 100
+    bound = decode_bound(token, 0.0, shared)
+    assert bound.seconds == pytest.approx(0.010) and bound.host_seconds == pytest.approx(0.020)
+    assert bound.host_share_of(25.0) == pytest.approx(0.5) and bound.share_of(25.0) == pytest.approx(0.25)
+    assert decode_bound(token, 1.0, shared).host_seconds == pytest.approx(0.002)  # no misses: device memory
+    capped = shared.capped(16.0)  # a slower simulated link reads less of the host's memory at once too
+    assert capped.at_once_gbps == (16.0, 20.0)
+    assert decode_bound(token, 0.0, capped).host_seconds == pytest.approx(1 / 36)
 
 
 def test_token_bytes_count_dense_weights_once_and_selected_experts_per_layer(tiny_model: Path) -> None:
@@ -185,10 +200,11 @@ def test_each_configuration_replays_the_same_routing(tiny_model: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_device_ceilings_measure_pcie_zero_copy_and_hbm() -> None:
+def test_device_ceilings_measure_pcie_zero_copy_hbm_and_host_memory_at_once() -> None:
     shape = ExpertShape(hidden=2048, ff=768, num_experts=128, top_k=8, gate_type=Q4_K, down_type=Q4_K)
     c = measure_ceilings(torch.device("cuda"), shape)
     assert c.zero_copy_gbps is not None and 0 < c.zero_copy_gbps < c.hbm_gbps
     assert 0 < c.link_gbps < c.hbm_gbps and "host" not in c.device
+    assert c.at_once_gbps is not None and all(0 < g < c.hbm_gbps for g in c.at_once_gbps)
     bank = pinned_bank(ExpertShape(256, 256, 16, 4, Q4_K, Q4_K), 64 << 20)  # small experts, many of them
     assert bank.gate.is_pinned() and bank.gate[0].numel() * bank.num_experts >= 64 << 20
