@@ -11,10 +11,9 @@ on the device. Order: every default first (all shapes, both batches), then gate_
 down_rows x num_warps (default warps, 2x, 4) at 1 token and then at 8, then the whole FFN at the fastest rows.
 Starts nothing after `budget_s` seconds (most of a config's cost is compiling; an H200 run ends within a minute)
 and lists what it skipped. A config that fails is one line saying why. In the tables `*` marks the default
-(`ops.triton.experts.DEFAULT_CONFIG`, `warps_for`), `<` the fastest of its kernel.
-With `ncu`, each shape's gate/up and down launch at 1 token (the defaults, then the other `ahead`) runs once between
-cudaProfilerStart and Stop (after warm-up launches outside), for Nsight Compute to read their counters (under
-`ncu --profile-from-start off`).
+(`ops.triton.experts.DEFAULT_CONFIG`, the launchers' own warps), `<` the fastest of its kernel.
+With `ncu`, each shape's default gate/up and down launch at 1 token runs once between cudaProfilerStart and Stop
+(after warm-up launches outside), for Nsight Compute to read their counters (under `ncu --profile-from-start off`).
 Usage: PYTHONPATH=/tmp/site:$PWD python3 .ci/gpu-expert-sweep.py [budget_s=50] [replays=5]  (needs CUDA)
        PYTHONPATH=/tmp/site:$PWD ncu --profile-from-start off --section ... python3 .ci/gpu-expert-sweep.py ncu"""
 
@@ -46,7 +45,7 @@ from ops.triton.qdot import GROUP  # noqa: E402
 DEVICE = torch.device("cuda")
 LAUNCHES = 20  # per graph
 TOKENS = (1, 8)
-GATE_UP_ROWS = (8, 16, 32, 64)
+GATE_UP_ROWS = (16, 32, 64)  # at least qdot.GROUP rows
 DOWN_ROWS = (16, 32, 64, 128)
 Pairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # token_ids, expert_ids, weights `[pairs]`
 
@@ -84,23 +83,20 @@ class Config:
 
     kernel: str
     rows: int
-    num_warps: int = 0  # 0: warps_for(rows)
+    num_warps: int = 0  # 0: the launcher's own (`warps_for(rows, format)`)
     down_rows: int = 0  # "whole" only
-    ahead: int = DEFAULT_CONFIG.ahead  # weight tiles loaded a step ahead (`ops.triton.qdot.rows_dot`)
 
     @property
     def is_default(self) -> bool:
-        if self.ahead != DEFAULT_CONFIG.ahead:
-            return False
         if self.kernel == "whole":
             return (self.rows, self.down_rows) == (DEFAULT_CONFIG.gate_up_rows, DEFAULT_CONFIG.down_rows)
         rows = DEFAULT_CONFIG.gate_up_rows if self.kernel == "gate_up" else DEFAULT_CONFIG.down_rows
-        return self.rows == rows and self.num_warps == warps_for(rows)
+        return self.rows == rows and self.num_warps == 0
 
     def __str__(self) -> str:
         if self.kernel == "whole":
-            return f"whole    rows {self.rows:>3}/{self.down_rows:<3} warps default ahead {self.ahead}"
-        return f"{self.kernel:<8} rows {self.rows:>3}     warps {self.num_warps} ahead {self.ahead}"
+            return f"whole    rows {self.rows:>3}/{self.down_rows:<3} warps default"
+        return f"{self.kernel:<8} rows {self.rows:>3}     warps {self.num_warps or 'default'}"
 
 
 def kernel_configs(kernel: str, all_rows: tuple[int, ...]) -> list[Config]:
@@ -112,17 +108,8 @@ def kernel_configs(kernel: str, all_rows: tuple[int, ...]) -> list[Config]:
 
 def default_configs() -> list[Config]:
     gate_up, down = DEFAULT_CONFIG.gate_up_rows, DEFAULT_CONFIG.down_rows
-    return [Config("gate_up", gate_up, warps_for(gate_up)), Config("down", down, warps_for(down)),
+    return [Config("gate_up", gate_up), Config("down", down),
             Config("whole", gate_up, down_rows=down)]
-
-
-def ahead_configs() -> list[Config]:
-    """The defaults with the other `ahead`, at default warps and twice as many (the tiles ahead need registers)."""
-    gate_up, down, other = DEFAULT_CONFIG.gate_up_rows, DEFAULT_CONFIG.down_rows, 1 - DEFAULT_CONFIG.ahead
-    return [Config("gate_up", gate_up, warps_for(gate_up), ahead=other),
-            Config("down", down, warps_for(down), ahead=other), Config("whole", gate_up, down_rows=down, ahead=other),
-            Config("gate_up", gate_up, 2 * warps_for(gate_up), ahead=other),
-            Config("down", down, 2 * warps_for(down), ahead=other)]
 
 
 def grid_configs() -> list[Config]:
@@ -225,16 +212,15 @@ def launcher(bench: Bench, config: Config) -> Callable[[int], object]:
     def gate_up(i: int) -> None:
         token_ids, expert_ids, _ = b.routings[i]
         launch_gate_up(b.x_gate, b.x_up, b.x_sums, token_ids, expert_ids, b.tables, b.h, b.h_sums,
-                       block_tokens=block_tokens, block_rows=config.rows, num_warps=config.num_warps or None,
-                       ahead=config.ahead)
+                       block_tokens=block_tokens, block_rows=config.rows, num_warps=config.num_warps or None)
 
     def down(i: int) -> None:
         _, expert_ids, weights = b.routings[i]
         launch_down(b.h, b.h_sums, expert_ids, weights, b.tables, b.y, block_tokens=block_tokens,
-                    block_rows=config.rows, num_warps=config.num_warps or None, ahead=config.ahead)
+                    block_rows=config.rows, num_warps=config.num_warps or None)
 
     def whole(i: int) -> torch.Tensor:
-        launch_config = LaunchConfig(gate_up_rows=config.rows, down_rows=config.down_rows, ahead=config.ahead)
+        launch_config = LaunchConfig(gate_up_rows=config.rows, down_rows=config.down_rows)
         return grouped_expert_ffn(b.x, *b.routings[i], b.tables, out=b.out, config=launch_config)
 
     return {"gate_up": gate_up, "down": down, "whole": whole}[config.kernel]
@@ -315,10 +301,6 @@ def best_whole(sweep: Sweep, shape: Shape, num_tokens: int) -> Config | None:
     return None if config.is_default else config
 
 
-def _order(c: Config) -> tuple[int, ...]:
-    return ("gate_up", "down", "whole").index(c.kernel), c.ahead, c.rows, c.down_rows, c.num_warps
-
-
 def report(sweep: Sweep, shape: Shape) -> None:
     print(f"\n== {shape}", flush=True)
     print(f"{'tok':>3}  {'config':<38} {'us':>8} {'GB/s':>7}")
@@ -326,7 +308,9 @@ def report(sweep: Sweep, shape: Shape) -> None:
         bench = sweep.benches.get((shape.name, num_tokens))
         rows = [(c, r) for (name, tokens, c), r in sweep.results.items() if (name, tokens) == (shape.name, num_tokens)]
         fastest = {k: sweep.fastest(shape, num_tokens, k) for k in ("gate_up", "down", "whole")}
-        for config, result in sorted(rows, key=lambda cr: _order(cr[0])):
+        order = ("gate_up", "down", "whole")
+        for config, result in sorted(rows, key=lambda cr: (order.index(cr[0].kernel), cr[0].rows, cr[0].down_rows,
+                                                           cr[0].num_warps)):
             marks = ("*" if config.is_default else "") + ("<" if fastest[config.kernel] == config else "")
             if isinstance(result, float) and bench is not None:
                 shown = f"{result:8.1f} {gb_per_s(bench, config.kernel, result):7.0f}"
@@ -358,17 +342,12 @@ def main(budget_s: float, replays: int) -> None:
         for shape in SHAPES:
             for config in default_configs():
                 sweep.run(shape, num_tokens, config)
-    # 2. the other `ahead`, every shape at both batches
-    for num_tokens in TOKENS:
-        for config in ahead_configs():
-            for shape in SHAPES:
-                sweep.run(shape, num_tokens, config)
-    # 3. the grid, one config over all shapes at a time, 1 token first
+    # 2. the grid, one config over all shapes at a time, 1 token first
     for num_tokens in TOKENS:
         for config in grid_configs():
             for shape in SHAPES:
                 sweep.run(shape, num_tokens, config)
-    # 4. the whole FFN at the fastest rows (each kernel's default warps)
+    # 3. the whole FFN at the fastest rows (each kernel's default warps)
     for num_tokens in TOKENS:
         for shape in SHAPES:
             config = best_whole(sweep, shape, num_tokens)
@@ -386,16 +365,14 @@ def profiled() -> None:
     launches = []
     for shape in SHAPES:
         bench = sweep.bench(shape, 1)
-        for config in default_configs()[:2] + ahead_configs()[:2]:
+        for config in default_configs()[:2]:
             launch = launcher(bench, config)
             launch(0)  # compiled and loaded outside the range
             launches.append((shape, config, launch))
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    for shape, config, launch in launches:
-        torch.cuda.nvtx.range_push(f"{shape.name} {config}")
+    for _, _, launch in launches:
         launch(1)  # other experts than launch 0's
-        torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     print("profiled, in order:", "; ".join(f"{s.name} {c}" for s, c, _ in launches), flush=True)

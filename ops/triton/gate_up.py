@@ -8,6 +8,7 @@ import torch
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
+from ops.quants import QType
 from ops.triton.checks import INDEX_DTYPES, check_rows, check_vector
 from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_for
 from ops.triton.qdot import GROUP, MAGIC, has_kernel, read_place, rows_dot
@@ -54,7 +55,7 @@ def _gate_up_kernel(
     alpha, limit,
     GATE_FMT: tl.constexpr, UP_FMT: tl.constexpr, DOWN_FMT: tl.constexpr, HIDDEN: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, GROUP: tl.constexpr,
-    FILL: tl.constexpr, COPY: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr, AHEAD: tl.constexpr,
+    FILL: tl.constexpr, COPY: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr,
 ):
     # program (pair position, block of BR rows of ff); only the first pair of each expert works
     pid = tl.program_id(0)
@@ -90,16 +91,16 @@ def _gate_up_kernel(
             g0, g1, g2, g3, u0, u1, u2, u3 = rows_dot(
                 gate_addr, up_addr, safe_rows, gate_row_bytes,
                 x_gate + t0 * x_stride, x_gate + t1 * x_stride, x_gate + t2 * x_stride, x_gate + t3 * x_stride,
-                s0, s1, s2, s3, magic, GATE_FMT, HIDDEN, BT, True, AHEAD)
+                s0, s1, s2, s3, magic, GATE_FMT, HIDDEN, BT, True)
         else:
             g0, g1, g2, g3, _, _, _, _ = rows_dot(
                 gate_addr, gate_addr, safe_rows, gate_row_bytes,
                 x_gate + t0 * x_stride, x_gate + t1 * x_stride, x_gate + t2 * x_stride, x_gate + t3 * x_stride,
-                s0, s1, s2, s3, magic, GATE_FMT, HIDDEN, BT, False, AHEAD)
+                s0, s1, s2, s3, magic, GATE_FMT, HIDDEN, BT, False)
             u0, u1, u2, u3, _, _, _, _ = rows_dot(
                 up_addr, up_addr, safe_rows, up_row_bytes,
                 x_up + t0 * x_stride, x_up + t1 * x_stride, x_up + t2 * x_stride, x_up + t3 * x_stride,
-                s0, s1, s2, s3, magic, UP_FMT, HIDDEN, BT, False, AHEAD)
+                s0, s1, s2, s3, magic, UP_FMT, HIDDEN, BT, False)
         _store_h(h, h_stride, hs, hs_stride, p0, h0 > 0, rows, rmask, ff, g0, u0, gb, ub, alpha, limit,
                      DOWN_FMT, BR, GROUP, ACT, BIAS)
         if BT > 1:
@@ -119,22 +120,25 @@ def default_block_tokens(num_tokens: int) -> int:
     return 1 if num_tokens <= 8 else 2
 
 
-def warps_for(block_rows: int) -> int:
-    # the Q4_K/Q5_K tile puts 8 rows on a warp, one a thread; more warps would split a row's chunk
-    return max(1, min(4, block_rows // 8))
+def warps_for(block_rows: int, qtype: QType | None = None) -> int:
+    """Warps of a program of `block_rows` rows. The Q4_K/Q5_K tile puts 8 rows on a warp, one a thread; more warps
+    would split a row's chunk. Q4_0's gate/up tile (`qtype`) takes twice as many: a Gemma 4 26B-A4B layer's gate/up
+    at batch 1 took 22.5 us with 4 warps of 16 rows, 28.1 with 2 (H100, `.ci/gpu-expert-sweep.py`, docs/benchmarks.md);
+    the other formats were slower with more."""
+    warps = max(1, min(4, block_rows // 8))
+    return 2 * warps if qtype == QType.Q4_0 else warps
 
 
 def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tensor, token_ids: torch.Tensor,
                    expert_ids: torch.Tensor, tables: ExpertTables, h: torch.Tensor, h_sums: torch.Tensor,
                    block_tokens: int | None = None, block_rows: int = 16, num_warps: int | None = None,
-                   fill: Fill | None = None, ahead: int = 0) -> None:
+                   fill: Fill | None = None) -> None:
     """h[p] = act(gate_e(x[t]), up_e(x[t])) for each computed pair p = (t, e) (the tables' math: its activation
     and gate/up biases), prepared for the down
     kernel (`prepare.launch_prepare`'s order and scale for the down format), and h_sums[p] its natural
     sums per 16 rows (`qdot.GROUP`); rows of other pairs are left as they were. x_gate, x_up `[tokens, hidden]`:
     x prepared for the gate and up formats; x_sums `[tokens, hidden // 16]`; token_ids, expert_ids
-    `[pairs]`; h float32 `[pairs, ff]`, h_sums `[pairs, ff // 16]`. block_tokens: 1, 2 or 4; ahead: 0 or 1
-    (`qdot.rows_dot`'s AHEAD). With `fill`, the
+    `[pairs]`; h float32 `[pairs, ff]`, h_sums `[pairs, ff // 16]`. block_tokens: 1, 2 or 4. With `fill`, the
     gate and up rows of experts whose flag is set are first copied from host memory (`ops.triton.stage`)."""
     if not (has_kernel(tables.gate_type) and has_kernel(tables.up_type)):
         raise ValueError(f"no gate/up kernel for {tables.gate_type.name}/{tables.up_type.name}")
@@ -149,10 +153,9 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
     check_rows("h", h, (num_pairs, tables.ff), (torch.float32,), device)
     check_rows("h_sums", h_sums, (num_pairs, tables.ff // GROUP), (torch.float32,), device)
     bt = block_tokens or default_block_tokens(num_tokens)
-    if bt not in (1, 2, 4) or block_rows < GROUP or triton.next_power_of_2(block_rows) != block_rows \
-            or ahead not in (0, 1):
-        raise ValueError(f"need block_tokens in 1, 2, 4, block_rows a power of two >= {GROUP} and ahead 0 or 1, "
-                         f"got {bt}, {block_rows}, {ahead}")
+    if bt not in (1, 2, 4) or block_rows < GROUP or triton.next_power_of_2(block_rows) != block_rows:
+        raise ValueError(f"need block_tokens in 1, 2, 4 and block_rows a power of two >= {GROUP}, "
+                         f"got {bt}, {block_rows}")
     if tables.ff % GROUP:
         raise ValueError(f"ff must be a multiple of {GROUP}, got {tables.ff}")
     if fill is not None:
@@ -176,7 +179,8 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
         math.alpha, math.limit,
         GATE_FMT=int(tables.gate_type), UP_FMT=int(tables.up_type), DOWN_FMT=down_order, HIDDEN=tables.hidden,
         BT=bt, BR=block_rows, WINDOW=window_for(num_pairs), GROUP=GROUP, FILL=fill is not None, COPY=COPY_BLOCK,
-        ACT=ACTIVATIONS[math.activation], BIAS=biases, AHEAD=ahead, num_warps=num_warps or warps_for(block_rows),
+        ACT=ACTIVATIONS[math.activation], BIAS=biases,
+        num_warps=num_warps or warps_for(block_rows, tables.gate_type),
     )
 
 

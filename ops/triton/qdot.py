@@ -145,20 +145,14 @@ def _byte_field(lo, hi, shift, mask_lo, mask_hi):
 
 
 @triton.jit
-def _kquant_head(blk):
-    """A super-block's first four words, `[1, BR, 1, 1]` each: fp16 d | dmin << 16, then scale bytes b[0..11]."""
-    head = tl.load(blk)[None, :, None, None]
+def _kquant_scales(blk, j, N: tl.constexpr):
+    """d * scale and dmin * min of sub-blocks s = 2j + N, `[1, BR, 4, 1]`. Scale bytes b[0..11]
+    (words 1..3 of the block): s < 4: b[s] & 63, b[s + 4] & 63; else (b[s + 4] & 15) | (b[s - 4] >> 6) << 4,
+    (b[s + 4] >> 4) | (b[s] >> 6) << 4."""
+    head = tl.load(blk)[None, :, None, None]  # fp16 d | dmin << 16
     w1 = tl.load(blk + 1)[None, :, None, None]
     w2 = tl.load(blk + 2)[None, :, None, None]
     w3 = tl.load(blk + 3)[None, :, None, None]
-    return head, w1, w2, w3
-
-
-@triton.jit
-def _kquant_scales(head, w1, w2, w3, j, N: tl.constexpr):
-    """d * scale and dmin * min of sub-blocks s = 2j + N, `[1, BR, 4, 1]`, from the head words. Scale bytes b[0..11]
-    (words 1..3 of the block): s < 4: b[s] & 63, b[s + 4] & 63; else (b[s + 4] & 15) | (b[s - 4] >> 6) << 4,
-    (b[s + 4] >> 4) | (b[s] >> 6) << 4."""
     s = 2 * j + N
     is_low = s < 4
     shift = 8 * (s & 3)
@@ -179,34 +173,14 @@ def _kquant_bits(qs, fifth, E: tl.constexpr, N: tl.constexpr, FIFTH: tl.constexp
 
 
 @triton.jit
-def _kquant_tiles(ba, bb, word, ih, il, j, TWO: tl.constexpr, FIFTH: tl.constexpr):
-    """One super-block of both matrices (ba, bb: its first word per row): the qs words, the fifth-bit words (Q5_K)
-    and the head words."""
-    QS = 4 + 8 * FIFTH  # first qs word
-    qa = tl.load(ba[None, :, None, None] + QS + word)
-    qb, qha, qhb = qa, qa, qa
-    if TWO:
-        qb = tl.load(bb[None, :, None, None] + QS + word)
-    if FIFTH:  # qh word 4ih + il, the same for every chunk
-        qha = tl.load(ba[None, :, None, None] + 4 + 4 * ih + il + 0 * j)
-        if TWO:
-            qhb = tl.load(bb[None, :, None, None] + 4 + 4 * ih + il + 0 * j)
-    ha0, ha1, ha2, ha3 = _kquant_head(ba)
-    hb0, hb1, hb2, hb3 = ha0, ha1, ha2, ha3
-    if TWO:
-        hb0, hb1, hb2, hb3 = _kquant_head(bb)
-    return qa, qb, qha, qhb, ha0, ha1, ha2, ha3, hb0, hb1, hb2, hb3
-
-
-@triton.jit
 def _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-                 K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, FIFTH: tl.constexpr, AHEAD: tl.constexpr):
+                 K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, FIFTH: tl.constexpr):
     """Q4_K (FIFTH=False) or Q5_K rows; wa, wb: int32 pointers `[BR]` to each row's first word.
     Tile per super-block: qs words `[2 (ih), BR, 4 (j), 4 (il)]`, word 8j + 4ih + il; byte k of word i
     of chunk j holds weights 64j + 4i + k (low nibble, sub-block 2j) and 64j + 32 + 4i + k (high
-    nibble, sub-block 2j + 1). ih on the slowest dim keeps a chunk's 8 words in one thread. AHEAD: the next
-    super-block's words are loaded before this one's arithmetic (see `rows_dot`)."""
+    nibble, sub-block 2j + 1). ih on the slowest dim keeps a chunk's 8 words in one thread."""
     WORDS = 36 + 8 * FIFTH  # block size in words
+    QS = 4 + 8 * FIFTH  # first qs word
     ih = tl.arange(0, 2)[:, None, None, None]
     j = tl.arange(0, 4)[None, None, :, None]
     il = tl.arange(0, 4)[None, None, None, :]
@@ -215,24 +189,22 @@ def _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     mzero = tl.zeros([1, wa.shape[0], 4, 1], tl.float32)
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = mzero, mzero, mzero, mzero, mzero, mzero, mzero, mzero
-    STEPS = K // 256
-    if AHEAD:
-        n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11 = _kquant_tiles(
-            tl.multiple_of(wa, 16), tl.multiple_of(wb, 16), word, ih, il, j, TWO, FIFTH)
-    for sb in range(STEPS):
-        if AHEAD:
-            qa, qb, qha, qhb, ha0, ha1, ha2, ha3, hb0, hb1, hb2, hb3 = n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11
-            nxt = tl.minimum(sb + 1, STEPS - 1)
-            n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11 = _kquant_tiles(
-                tl.multiple_of(wa + WORDS * nxt, 16), tl.multiple_of(wb + WORDS * nxt, 16), word, ih, il, j, TWO, FIFTH)
-        else:
-            qa, qb, qha, qhb, ha0, ha1, ha2, ha3, hb0, hb1, hb2, hb3 = _kquant_tiles(
-                tl.multiple_of(wa + WORDS * sb, 16), tl.multiple_of(wb + WORDS * sb, 16), word, ih, il, j, TWO, FIFTH)
+    for sb in range(K // 256):
+        ba = tl.multiple_of(wa + WORDS * sb, 16)
+        bb = tl.multiple_of(wb + WORDS * sb, 16)
+        qa = tl.load(ba[None, :, None, None] + QS + word)
+        qb, qha, qhb = qa, qa, qa
+        if TWO:
+            qb = tl.load(bb[None, :, None, None] + QS + word)
+        if FIFTH:  # qh word 4ih + il, the same for every chunk
+            qha = tl.load(ba[None, :, None, None] + 4 + 4 * ih + il + 0 * j)
+            if TWO:
+                qhb = tl.load(bb[None, :, None, None] + 4 + 4 * ih + il + 0 * j)
         for n in tl.static_range(2):
-            dsa, dma = _kquant_scales(ha0, ha1, ha2, ha3, j, n)
+            dsa, dma = _kquant_scales(ba, j, n)
             dsb, dmb = dsa, dma
             if TWO:
-                dsb, dmb = _kquant_scales(hb0, hb1, hb2, hb3, j, n)
+                dsb, dmb = _kquant_scales(bb, j, n)
             fa = qha >> (2 * j + n)  # bit 8k: the fifth bit of weight (j, n, i, k)
             fb = qhb >> (2 * j + n)
             for k in tl.static_range(4):
@@ -334,35 +306,20 @@ def _q80_load(start, c, m):
 
 
 @triton.jit
-def _q80_tiles(wa, wb, c, m, TWO: tl.constexpr):
-    qa, da = _q80_load(wa, c, m)
-    qb, db = qa, da
-    if TWO:
-        qb, db = _q80_load(wb, c, m)
-    return qa, da, qb, db
-
-
-@triton.jit
 def _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr, AHEAD: tl.constexpr):
+              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr):
     """Q8_0 rows; wa, wb: int16 pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 halves]`;
-    byte b of half 1 + m of block c, xor 0x80, is the int8 code of weight 32c + 2m + b, plus 128.
-    AHEAD: the next step's tiles are loaded before this step's arithmetic (see `rows_dot`)."""
+    byte b of half 1 + m of block c, xor 0x80, is the int8 code of weight 32c + 2m + b, plus 128."""
     m = tl.arange(0, 16)[None, None, :]
     zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
-    STEPS = K // 32 // NB
-    if AHEAD:
-        na, nda, nb, ndb = _q80_tiles(wa, wb, tl.arange(0, NB)[None, :, None], m, TWO)
-    for g in range(STEPS):
+    for g in range(K // 32 // NB):
         c = NB * g + tl.arange(0, NB)[None, :, None]
-        if AHEAD:
-            qa, da, qb, db = na, nda, nb, ndb
-            na, nda, nb, ndb = _q80_tiles(wa, wb, NB * tl.minimum(g + 1, STEPS - 1) + tl.arange(0, NB)[None, :, None],
-                                          m, TWO)
-        else:
-            qa, da, qb, db = _q80_tiles(wa, wb, c, m, TWO)
+        qa, da = _q80_load(wa, c, m)
+        qb, db = qa, da
+        if TWO:
+            qb, db = _q80_load(wb, c, m)
         for b in tl.static_range(2):
             v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * b + m, BT)
             q = _code_times((qa ^ (128 << (8 * b))) & (255 << (8 * b)), magic, da, -8388608.0 * da)
@@ -385,38 +342,22 @@ def _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
 
 
 @triton.jit
-def _q40_tiles(wa, wb, c, m, TWO: tl.constexpr):
-    """Code halves `[BR, NB, 8]` and the block scales (the same along m) of blocks c of both matrices."""
-    qa = tl.load(wa[:, None, None] + 9 * c + 1 + m).to(tl.int32)
-    da = _f16(tl.load(wa[:, None, None] + 9 * c + 0 * m).to(tl.int32))
-    qb, db = qa, da
-    if TWO:
-        qb = tl.load(wb[:, None, None] + 9 * c + 1 + m).to(tl.int32)
-        db = _f16(tl.load(wb[:, None, None] + 9 * c + 0 * m).to(tl.int32))
-    return qa, da, qb, db
-
-
-@triton.jit
 def _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr, AHEAD: tl.constexpr):
+              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr):
     """Q4_0 rows; wa, wb: int16 pointers `[BR]` to each row. Tile `[BR, NB blocks, 8 halves]`; byte b of half 1 + m
-    of block c holds weights 32c + 2m + b (low nibble) and 32c + 16 + 2m + b (high); w = d * (q - 8). AHEAD: the
-    next step's tiles are loaded before this step's arithmetic (see `rows_dot`)."""
+    of block c holds weights 32c + 2m + b (low nibble) and 32c + 16 + 2m + b (high); w = d * (q - 8)."""
     m = tl.arange(0, 8)[None, None, :]
     zero = tl.zeros([wa.shape[0], NB, 8], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
-    STEPS = K // 32 // NB
-    if AHEAD:
-        na, nda, nb, ndb = _q40_tiles(wa, wb, tl.arange(0, NB)[None, :, None], m, TWO)
-    for g in range(STEPS):
+    for g in range(K // 32 // NB):
         c = NB * g + tl.arange(0, NB)[None, :, None]
-        if AHEAD:
-            qa, da, qb, db = na, nda, nb, ndb
-            na, nda, nb, ndb = _q40_tiles(wa, wb, NB * tl.minimum(g + 1, STEPS - 1) + tl.arange(0, NB)[None, :, None],
-                                          m, TWO)
-        else:
-            qa, da, qb, db = _q40_tiles(wa, wb, c, m, TWO)
+        qa = tl.load(wa[:, None, None] + 9 * c + 1 + m).to(tl.int32)
+        da = _f16(tl.load(wa[:, None, None] + 9 * c + 0 * m).to(tl.int32))
+        qb, db = qa, da
+        if TWO:
+            qb = tl.load(wb[:, None, None] + 9 * c + 1 + m).to(tl.int32)
+            db = _f16(tl.load(wb[:, None, None] + 9 * c + 0 * m).to(tl.int32))
         for n in tl.static_range(2):
             for b in tl.static_range(2):
                 E = 8 * b + 4 * n
@@ -464,33 +405,18 @@ def _e2m1_times(code, magic, s):
 
 
 @triton.jit
-def _mxfp4_tiles(wa, wb, c, j, TWO: tl.constexpr):
-    qa, sa = _mxfp4_load(wa, c, j)
-    qb, sb = qa, sa
-    if TWO:
-        qb, sb = _mxfp4_load(wb, c, j)
-    return qa, sa, qb, sb
-
-
-@triton.jit
 def _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
-                NB: tl.constexpr, AHEAD: tl.constexpr):
-    """MXFP4 rows; wa, wb: byte pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 bytes]`; no code offset.
-    AHEAD: the next step's tiles are loaded before this step's arithmetic (see `rows_dot`)."""
+                NB: tl.constexpr):
+    """MXFP4 rows; wa, wb: byte pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 bytes]`; no code offset."""
     j = tl.arange(0, 16)[None, None, :]
     zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
-    STEPS = K // 32 // NB
-    if AHEAD:
-        na, nsa, nb, nsb = _mxfp4_tiles(wa, wb, tl.arange(0, NB)[None, :, None], j, TWO)
-    for g in range(STEPS):
+    for g in range(K // 32 // NB):
         c = NB * g + tl.arange(0, NB)[None, :, None]
-        if AHEAD:
-            qa, sa, qb, sb = na, nsa, nb, nsb
-            na, nsa, nb, nsb = _mxfp4_tiles(wa, wb, NB * tl.minimum(g + 1, STEPS - 1) + tl.arange(0, NB)[None, :, None],
-                                            j, TWO)
-        else:
-            qa, sa, qb, sb = _mxfp4_tiles(wa, wb, c, j, TWO)
+        qa, sa = _mxfp4_load(wa, c, j)
+        qb, sb = qa, sa
+        if TWO:
+            qb, sb = _mxfp4_load(wb, c, j)
         for n in tl.static_range(2):
             v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * n + j, BT)
             a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, _e2m1_times(qa >> (4 * n), magic, sa), v0, v1, v2, v3, BT)
@@ -504,19 +430,16 @@ def _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K: tl.constexpr, BT: tl.constexpr
 
 @triton.jit
 def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-             FMT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, AHEAD: tl.constexpr = 0):
+             FMT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr):
     """Dots of rows `rows` (`[BR]`, all in range) of the matrices at byte addresses addr_a and, if TWO,
     addr_b (int64, 16-byte aligned, rows of row_bytes, format FMT, K columns) with activation rows
     x0..x3 (pointers to rows prepared for FMT; BT slots used) and their sums per 16 columns s0..s3
     (pointers); magic = 0x4B000000. Nothing is masked: callers clamp rows and point empty slots at a valid row.
-    AHEAD (every format but Q6_K; 0 or 1): each step's weight tiles are loaded one step ahead, so that a thread keeps
-    two steps' loads in flight while it computes (the decode kernels wait on memory latency, not bandwidth, when a
-    layer's few experts give each SM a few programs); the last step reloads its own tiles.
     Returns `[BR]` float32 for (a, slot 0..3), then (b, slot 0..3)."""
     if FMT == Q4_K or FMT == Q5_K:
         wa = addr_a.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
         wb = addr_b.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
-        out = _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO, FMT == Q5_K, AHEAD)
+        out = _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO, FMT == Q5_K)
     elif FMT == Q6_K:
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
@@ -524,8 +447,7 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     elif FMT == MXFP4:
         wa = addr_a.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
-        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K, BT, TWO, ((K // 32) | 8) & (-((K // 32) | 8)),
-                          AHEAD)
+        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K, BT, TWO, ((K // 32) | 8) & (-((K // 32) | 8)))
     else:
         tl.static_assert(FMT == Q8_0 or FMT == Q4_0, "rows_dot: no kernel for this format")
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
@@ -533,9 +455,9 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
         # blocks a step: the largest of 8, 4, 2, 1 that divides the row (lowest set bit of n | 8); the same below
         if FMT == Q8_0:
             out = _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
-                            ((K // 32) | 8) & (-((K // 32) | 8)), AHEAD)
+                            ((K // 32) | 8) & (-((K // 32) | 8)))
         else:
             out = _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
-                            ((K // 32) | 8) & (-((K // 32) | 8)), AHEAD)
+                            ((K // 32) | 8) & (-((K // 32) | 8)))
     return out
 

@@ -56,24 +56,21 @@ def has_cuda_backend() -> bool:
 
 
 needs_backend = pytest.mark.skipif(not has_cuda_backend(), reason="triton has no CUDA backend to compile with")
-# every format with the plain math, with its tiles loaded a step ahead and not; the 32-block formats and the Q4_K_M
-# layout with every activation and biases
-VARIANTS = [(t, "silu", False, ahead) for t in KERNEL_TYPES for ahead in (0, 1)] + \
-    [(t, act, True, 0) for t in (QType.Q4_0, QType.MXFP4, QType.Q4_K) for act in ACTIVATIONS]
+# every format with the plain math; the 32-block formats and the Q4_K_M layout with every activation and biases
+VARIANTS = [(t, "silu", False) for t in KERNEL_TYPES] + \
+    [(t, act, True) for t in (QType.Q4_0, QType.MXFP4, QType.Q4_K) for act in ACTIVATIONS]
 
 
 @needs_backend
-@pytest.mark.parametrize("variant", VARIANTS,
-                         ids=lambda v: f"{v[0].name}-{v[1]}{'-biases' if v[2] else ''}{'-ahead' if v[3] else ''}")
-def test_gate_up_and_down_compile_for_sm90(variant: tuple[QType, str, bool, int]) -> None:
-    qtype, activation, biases, ahead = variant
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].name}-{v[1]}{'-biases' if v[2] else ''}")
+def test_gate_up_and_down_compile_for_sm90(variant: tuple[QType, str, bool]) -> None:
+    qtype, activation, biases = variant
     hidden, ff = (2048, 768) if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else (2880, 704)
     compile_for_sm90(_gate_up_kernel, {"alpha": "fp32", "limit": "fp32"},
                      dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BT=1, BR=16,
-                          WINDOW=64, GROUP=16, FILL=True, COPY=1024, ACT=ACTIVATIONS[activation], BIAS=biases,
-                          AHEAD=ahead))
+                          WINDOW=64, GROUP=16, FILL=True, COPY=1024, ACT=ACTIVATIONS[activation], BIAS=biases))
     compile_for_sm90(_down_kernel, {}, dict(DOWN_FMT=int(qtype), FF=ff, BT=2, BR=32, WINDOW=64, FILL=True,
-                                            COPY=1024, BIAS=biases, AHEAD=ahead))
+                                            COPY=1024, BIAS=biases))
 
 
 @needs_backend

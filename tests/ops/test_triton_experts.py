@@ -70,7 +70,6 @@ class Case:
     down_rows: int = 32
     activation: str = "silu"
     biases: bool = False
-    ahead: int = 0  # weight tiles loaded a step ahead (`ops.triton.qdot.rows_dot`)
 
 
 def random_math(case: Case, generator: torch.Generator) -> ExpertMath:
@@ -138,7 +137,7 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     out = torch.full((case.num_tokens, case.hidden), float("nan"), device=device)
     poison_allocator(device, 64 << 20)
     grouped_expert_ffn(x.to(device), token_ids.to(device), expert_ids.to(device), weights.to(device), tables,
-                       out=out, config=LaunchConfig(case.gate_up_rows, case.down_rows, case.block_tokens, case.ahead))
+                       out=out, config=LaunchConfig(case.gate_up_rows, case.down_rows, case.block_tokens))
     assert out.isfinite().all(), "unwritten or non-finite outputs"
     error = relative_error(out, ref)
     assert error < RTOL, f"{case}: relative error {error:.2e}"
@@ -214,23 +213,6 @@ def test_the_new_presets_shapes(shape: tuple[int, int, QType, str, bool], num_to
     case = Case((qtype,) * 3, num_tokens, torch.bfloat16, hidden=hidden, ff=ff, num_experts=16, top_k=4,
                 activation=activation, biases=biases)
     run_case(case, CUDA, seed=int(torch.randint(1 << 30, ())))
-
-
-# formats and shapes for tiles a step ahead: rows of 88, 90 and 7 blocks of 32 (steps of 8, 2 and 1 blocks), of 8 and
-# 3 super-blocks; the last step reloads its own tiles
-AHEAD_CASES = [(types, hidden, ff) for types in [(QType.Q8_0,) * 3, (QType.Q4_0,) * 3, (QType.MXFP4,) * 3,
-                                                 (QType.Q4_0, QType.MXFP4, QType.Q8_0)]
-               for hidden, ff in [(2816, 704), (2880, 2880), (224, 160)]]
-AHEAD_CASES += [(types, hidden, ff) for types in [(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q5_K,) * 3]
-                for hidden, ff in [(2048, 768), (768, 256)]]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", AHEAD_CASES, ids=lambda c: f"{'-'.join(q.name for q in c[0])}-{c[1]}x{c[2]}")
-def test_tiles_loaded_a_step_ahead(case: tuple[tuple[QType, QType, QType], int, int]) -> None:
-    types, hidden, ff = case
-    case_ = Case(types, 3, torch.bfloat16, hidden=hidden, ff=ff, num_experts=8, top_k=4, biases=True, ahead=1)
-    run_case(case_, CUDA, seed=int(torch.randint(1 << 30, ())))
 
 
 @pytest.mark.gpu
@@ -396,14 +378,9 @@ INTERPRETER_CASES = [
          num_experts=4, top_k=2, gate_up_rows=32, biases=True),
     Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=2, hidden=256, ff=256, num_experts=3, top_k=2,
          gate_up_rows=32, activation="gelu", biases=True),
-    # tiles a step ahead: rows of 24 blocks (three steps of 8) and of 5 (five steps of 1); of 3 and 2 super-blocks
-    Case((QType.Q4_0, QType.MXFP4, QType.Q8_0), num_tokens=2, hidden=768, ff=160, num_experts=3, top_k=2,
-         gate_up_rows=32, biases=True, ahead=1),
-    Case((QType.Q5_K, QType.Q4_K, QType.Q6_K), num_tokens=2, hidden=768, ff=512, num_experts=3, top_k=2,
-         gate_up_rows=32, ahead=1),
 ]
 INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens} {c.activation}"
-                       f"{' biases' if c.biases else ''}{' ahead' if c.ahead else ''}",
+                       f"{' biases' if c.biases else ''}",
                        lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("bf16 out", lambda seed: check_16bit_out(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
 INTERPRETER_CHECKS.append(("prepared x",
