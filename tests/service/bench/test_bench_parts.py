@@ -84,9 +84,9 @@ def test_the_host_bound_takes_the_link_and_the_cpu_at_once() -> None:
     assert bound.seconds == pytest.approx(0.010) and bound.host_seconds == pytest.approx(0.020)
     assert bound.host_share_of(25.0) == pytest.approx(0.5) and bound.share_of(25.0) == pytest.approx(0.25)
     assert decode_bound(token, 1.0, shared).host_seconds == pytest.approx(0.002)  # no misses: device memory
-    capped = shared.capped(16.0)  # a slower simulated link reads less of the host's memory at once too
-    assert capped.at_once_gbps == (16.0, 20.0)
-    assert decode_bound(token, 0.0, capped).host_seconds == pytest.approx(1 / 36)
+    # a simulated slower link: the at-once rates were read with the machine's link at full speed, so no host bound
+    capped = shared.capped(16.0)
+    assert capped.at_once_gbps is None and decode_bound(token, 0.0, capped).host_seconds is None
 
 
 def test_token_bytes_count_dense_weights_once_and_selected_experts_per_layer(tiny_model: Path) -> None:
