@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -17,8 +16,8 @@ from engine.arch.gemma4 import GemmaAttention
 from engine.kv_cache import KVCache
 from engine.layers import swiglu
 from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
-from engine.weights import Attention, DenseFFN, Layer, ModelWeights, MoE
-from ops.fused import add_rms_norm, decode_attention, prefill_attention, qk_norm_rope, rms_norm
+from engine.weights import Attention, DenseFFN, ModelWeights, MoE
+from ops.fused import add_rms_norm, decode_attention, prefill_attention, qk_norm_rope, rms_norm, sandwich_norm
 
 
 @dataclass(frozen=True)
@@ -140,28 +139,31 @@ class Model:
         return cap * torch.tanh(logits / cap) if cap else logits
 
     def forward_sandwich(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Gemma 4: scaled embeddings, every block normed before and after (`engine.arch.gemma4`)."""
-        eps, moe_index = self.hp.rms_eps, 0
+        """Gemma 4: scaled embeddings, every block normed before and after (`engine.arch.gemma4`). Each block's end
+        (its post-norms, the residual add, the layer's output scale) and the norms the next block reads are one
+        `sandwich_norm`."""
+        eps, moe_index, layers = self.hp.rms_eps, 0, self.w.layers
         x = x * self.hp.hidden ** 0.5
-        for i, layer in enumerate(self.w.layers):
-            s = layer.sandwich
+        h = rms_norm(x, layers[0].attn_norm, eps)
+        for i, layer in enumerate(layers):
+            s, w = layer.sandwich, layer.ffn
             assert s is not None, "every layer of a sandwich-normed model has its norms"
-            x = x + rms_norm(self.attention(i, layer.attn, rms_norm(x, layer.attn_norm, eps), batch, kv),
-                             s.post_attn_norm, eps)
-            x = gemma4.ffn_block(x, layer.ffn_norm, layer.ffn, s, eps, self.experts_of(moe_index, i, layer, batch))
-            moe_index += isinstance(layer.ffn, MoE)
+            attn = self.attention(i, layer.attn, h, batch, kv)
+            x, (h, *moe_inputs) = sandwich_norm(x, attn, s.post_attn_norm, eps,
+                                                next_weights=gemma4.ffn_norms(layer.ffn_norm, w, s))
+            following = (layers[i + 1].attn_norm,) if i + 1 < len(layers) else ()
+            if isinstance(w, MoE):
+                assert s.mlp is not None and s.post_mlp_norm is not None and s.post_experts_norm is not None
+                routed = moe_forward(moe_index, i, moe_inputs[0], w, self.router, self.experts, batch.token_mask,
+                                     router_x=moe_inputs[1])
+                moe_index += 1
+                x, h_next = sandwich_norm(x, gemma4.gelu_mlp(h, s.mlp), s.post_mlp_norm, eps, routed,
+                                          s.post_experts_norm, s.post_ffn_norm, s.out_scale, following)
+            else:
+                x, h_next = sandwich_norm(x, gemma4.gelu_mlp(h, w), s.post_ffn_norm, eps, scale=s.out_scale,
+                                          next_weights=following)
+            h = h_next[0] if h_next else h
         return self.logits(x[batch.logit_rows])
-
-    def experts_of(self, moe_index: int, i: int, layer: Layer,
-                   batch: ForwardBatch) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """A sandwich layer's routed experts on the residual stream (None for a dense layer)."""
-        w, s, eps = layer.ffn, layer.sandwich, self.hp.rms_eps
-        if not isinstance(w, MoE):
-            return None
-        assert s is not None and s.pre_experts_norm is not None and w.router_norm is not None
-        norm, router_norm = s.pre_experts_norm, w.router_norm
-        return lambda x: moe_forward(moe_index, i, rms_norm(x, norm, eps), w, self.router, self.experts,
-                                     batch.token_mask, router_x=rms_norm(x, router_norm, eps))
 
     def attention(self, i: int, a: Attention | MLAttention | GemmaAttention, x: torch.Tensor, batch: ForwardBatch,
                   kv: KVCache) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The small per-layer operations of the forward pass (RMSNorm with the residual add, q/k norm + rotary
+"""The small per-layer operations of the forward pass (RMSNorm with the residual add, a post-normed block's end with
+the next block's norms, q/k norm + rotary
 embedding, router top-k, attention over the KV cache and its write), each with its torch reference.
 
 On CUDA with Triton each is one fused launch (`ops/triton/fused.py`, `ops/triton/attention.py`)
@@ -55,6 +56,19 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
         from ops.triton import fused
         return fused.add_rms_norm(x, update, weight, eps)
     return add_rms_norm_torch(x, update, weight, eps)
+
+
+def sandwich_norm(x: torch.Tensor, a: torch.Tensor, a_weight: torch.Tensor, eps: float,
+                  b: torch.Tensor | None = None, b_weight: torch.Tensor | None = None,
+                  post_weight: torch.Tensor | None = None, scale: float = 1.0,
+                  next_weights: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The end of a post-normed block (Gemma 4's "sandwich") and the norms the next block reads, in one pass:
+    s = rms_norm(a) (+ rms_norm(b)), then rms_norm(s) with post_weight where given; y = (x + s) * scale; returns
+    (y, [rms_norm(y, w) for w in next_weights]) (at most 3). x, a, b `[tokens, dim]`."""
+    if _fused(x):
+        from ops.triton import fused
+        return fused.sandwich_norm(x, a, a_weight, eps, b, b_weight, post_weight, scale, next_weights)
+    return sandwich_norm_torch(x, a, a_weight, eps, b, b_weight, post_weight, scale, next_weights)
 
 
 def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: torch.Tensor,
@@ -192,6 +206,22 @@ def add_rms_norm_torch(x: torch.Tensor, update: torch.Tensor, weight: torch.Tens
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     total = x + update
     return total, rms_norm_torch(total, weight, eps)
+
+
+def sandwich_norm_torch(x: torch.Tensor, a: torch.Tensor, a_weight: torch.Tensor, eps: float,
+                        b: torch.Tensor | None = None, b_weight: torch.Tensor | None = None,
+                        post_weight: torch.Tensor | None = None, scale: float = 1.0,
+                        next_weights: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    total = rms_norm_torch(a, a_weight, eps)
+    if b is not None:
+        assert b_weight is not None, "b is normed with b_weight"
+        total = total + rms_norm_torch(b, b_weight, eps)
+    if post_weight is not None:
+        total = rms_norm_torch(total, post_weight, eps)
+    y = x + total
+    if scale != 1.0:
+        y = y * scale
+    return y, [rms_norm_torch(y, w, eps) for w in next_weights]
 
 
 def qk_norm_rope_torch(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: torch.Tensor,

@@ -17,7 +17,7 @@ Per-layer embeddings (the E2B / E4B models) are not supported."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,13 +162,10 @@ def project(a: GemmaAttention, x: torch.Tensor, positions: torch.Tensor, inv_fre
     return qk[:, :a.num_heads], qk[:, a.num_heads:], rms_norm(v, a.v_norm, eps)
 
 
-def ffn_block(x: torch.Tensor, ffn_norm: torch.Tensor, ffn: Any, s: Sandwich, eps: float,
-              experts: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
-    """The residual stream after the layer's FFN block: x `[tokens, hidden]` -> `[tokens, hidden]`.
-    `experts(x)`: the layer's routed experts on the residual (they norm and route it themselves)."""
-    out = gelu_mlp(rms_norm(x, ffn_norm, eps), s.mlp if experts is not None else ffn)
-    if experts is not None:
-        assert s.post_mlp_norm is not None and s.post_experts_norm is not None, "MoE layers carry their norms"
-        out = rms_norm(out, s.post_mlp_norm, eps) + rms_norm(experts(x), s.post_experts_norm, eps)
-    x = x + rms_norm(out, s.post_ffn_norm, eps)
-    return x if s.out_scale == 1.0 else x * s.out_scale
+def ffn_norms(ffn_norm: torch.Tensor, ffn: Any, s: Sandwich) -> tuple[torch.Tensor, ...]:
+    """The norms of the residual stream a layer's FFN block reads: its dense MLP's, and in an MoE layer the experts'
+    and the router's (`router_norm`)."""
+    if s.pre_experts_norm is None:
+        return (ffn_norm,)
+    assert ffn.router_norm is not None, "an MoE layer's router reads its own norm"
+    return ffn_norm, s.pre_experts_norm, ffn.router_norm

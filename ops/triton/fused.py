@@ -1,4 +1,5 @@
-"""Fused small kernels of a decode step: RMSNorm (with the residual add), q/k norm + rotary embedding,
+"""Fused small kernels of a decode step: RMSNorm (with the residual add), a post-normed block's end with the next
+block's norms, q/k norm + rotary embedding,
 and router softmax + top-k + renormalisation, each one launch instead of 5-8 torch ops.
 
 Each launcher `f` has its torch reference `f_torch`, with the same signature, in ops/fused.py (the
@@ -93,6 +94,94 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + update, rms_norm(x + update)): the residual add and the next norm in one pass."""
     return _launch_norm(x, update, weight, eps)
+
+
+# --- a post-normed block's end (Gemma 4's sandwich) ---------------------------------------------------------
+
+
+@triton.jit
+def _normed(v, w, dim, eps, DT: tl.constexpr):
+    """weight * v / rms(v) of float32 `v` (0 beyond dim), rounded once to DT as `_rms_norm_kernel` rounds."""
+    scale = tl.rsqrt(tl.sum(v * v, axis=0) / dim + eps)
+    return (v * scale * w).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _sandwich_kernel(x, x_stride, a, a_stride, b, b_stride, wa, wb, wp, w1, w2, w3, y, o1, o2, o3, dim, eps, scale,
+                     HAS_B: tl.constexpr, HAS_POST: tl.constexpr, SCALED: tl.constexpr, NEXT: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    # program (row); y and o1..o3 are contiguous [rows, dim]. Each step rounds to the activation dtype where the
+    # torch reference's op does, so that y has the bits of `x + s` (and `* scale`) for the same s.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < dim
+    DT = y.dtype.element_ty
+    weight = tl.load(wa + cols, mask=in_row, other=0.0).to(tl.float32)
+    s = _normed(tl.load(a + row * a_stride + cols, mask=in_row, other=0.0).to(tl.float32), weight, dim, eps, DT)
+    if HAS_B:
+        weight = tl.load(wb + cols, mask=in_row, other=0.0).to(tl.float32)
+        other = _normed(tl.load(b + row * b_stride + cols, mask=in_row, other=0.0).to(tl.float32), weight, dim, eps,
+                        DT)
+        s = (s + other).to(DT).to(tl.float32)
+    if HAS_POST:
+        s = _normed(s, tl.load(wp + cols, mask=in_row, other=0.0).to(tl.float32), dim, eps, DT)
+    v = (tl.load(x + row * x_stride + cols, mask=in_row, other=0.0).to(tl.float32) + s).to(DT)
+    if SCALED:
+        v = (v.to(tl.float32) * scale).to(DT)
+    tl.store(y + row * dim + cols, v, mask=in_row)
+    v = v.to(tl.float32)
+    if NEXT > 0:
+        tl.store(o1 + row * dim + cols, _normed(v, tl.load(w1 + cols, mask=in_row, other=0.0).to(tl.float32), dim,
+                                                eps, DT).to(DT), mask=in_row)
+    if NEXT > 1:
+        tl.store(o2 + row * dim + cols, _normed(v, tl.load(w2 + cols, mask=in_row, other=0.0).to(tl.float32), dim,
+                                                eps, DT).to(DT), mask=in_row)
+    if NEXT > 2:
+        tl.store(o3 + row * dim + cols, _normed(v, tl.load(w3 + cols, mask=in_row, other=0.0).to(tl.float32), dim,
+                                                eps, DT).to(DT), mask=in_row)
+
+
+def sandwich_norm(x: torch.Tensor, a: torch.Tensor, a_weight: torch.Tensor, eps: float,
+                  b: torch.Tensor | None = None, b_weight: torch.Tensor | None = None,
+                  post_weight: torch.Tensor | None = None, scale: float = 1.0,
+                  next_weights: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`ops.fused.sandwich_norm` in one launch: x, a, b `[..., dim]` of one float dtype (rows in place), weights
+    `[dim]` of that dtype."""
+    device = x.device
+    check_device("x", x, device)
+    if x.dim() < 1 or x.dtype not in FLOAT_DTYPES or not 1 <= x.shape[-1] <= MAX_DIM:
+        raise ValueError(f"x: expected float [..., dim <= {MAX_DIM}], got {x.dtype} {tuple(x.shape)}")
+    if len(next_weights) > 3 or (b is None) != (b_weight is None):
+        raise ValueError(f"need at most 3 next weights and b with b_weight, got {len(next_weights)} and "
+                         f"b {'given' if b is not None else 'missing'}, b_weight "
+                         f"{'given' if b_weight is not None else 'missing'}")
+    dim = x.shape[-1]
+    rows = _as_rows("x", x, dim, x.dtype, device)
+    inputs = {"a": a, "b": b}
+    for name, t in inputs.items():
+        if t is not None and t.shape != x.shape:
+            raise ValueError(f"{name}: expected the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
+    a_rows = _as_rows("a", a, dim, x.dtype, device)
+    b_rows = a_rows if b is None else _as_rows("b", b, dim, x.dtype, device)
+    weights = {"a_weight": a_weight, "b_weight": b_weight, "post_weight": post_weight,
+               **{f"next_weights[{k}]": w for k, w in enumerate(next_weights)}}
+    for name, w in weights.items():
+        if w is not None:
+            check_vector(name, w, dim, (x.dtype,), device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=device)
+    outs = [torch.empty(x.shape, dtype=x.dtype, device=device) for _ in next_weights]
+    if rows.shape[0]:
+        # placeholders past NEXT: never read or written
+        next_slots = [*next_weights, *[a_weight] * (3 - len(next_weights))]
+        out_slots = [*outs, *[y] * (3 - len(outs))]
+        block = triton.next_power_of_2(dim)
+        _sandwich_kernel[(rows.shape[0],)](
+            rows, rows.stride(0), a_rows, a_rows.stride(0), b_rows, b_rows.stride(0), a_weight,
+            a_weight if b_weight is None else b_weight, a_weight if post_weight is None else post_weight,
+            *next_slots, y, *out_slots, dim, float(eps), float(scale),
+            HAS_B=b is not None, HAS_POST=post_weight is not None, SCALED=scale != 1.0, NEXT=len(next_weights),
+            BLOCK=block, num_warps=_num_warps(block))
+    return y, outs
 
 
 # --- q/k norm + rotary embedding ----------------------------------------------------------------------

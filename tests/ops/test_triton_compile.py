@@ -1,4 +1,4 @@
-"""The grouped expert kernels compile for the H200 (sm90) on a machine without a GPU.
+"""The grouped expert kernels (and the newest fused one) compile for the H200 (sm90) on a machine without a GPU.
 
 Triton's interpreter runs the kernels' semantics on the CPU (tests/ops/test_triton_experts.py) but lets through what
 only the compiler refuses (a global that is not a constexpr, a type that differs between branches): here each
@@ -19,6 +19,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ops.triton import moe_gemm  # noqa: E402
 from ops.triton.down import _down_kernel  # noqa: E402
+from ops.triton.fused import _sandwich_kernel  # noqa: E402
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
 from ops.triton.qdot import KERNEL_TYPES  # noqa: E402
@@ -103,3 +104,13 @@ def test_moe_gemm_compiles_for_sm90(variant: tuple[QType, str, bool]) -> None:
 @needs_backend
 def test_moe_gemm_sum_compiles_for_sm90() -> None:
     compile_for_sm90(moe_gemm._sum_kernel, MOE_GEMM_TYPES, dict(BH=moe_gemm.SUM_COLS))
+
+
+@needs_backend
+@pytest.mark.parametrize("shape", [(False, False, False, 3), (True, True, True, 1)],
+                         ids=["after-attention", "after-ffn"])
+def test_sandwich_norm_compiles_for_sm90(shape: tuple[bool, bool, bool, int]) -> None:
+    has_b, has_post, scaled, following = shape
+    pointers = ("x", "a", "b", "wa", "wb", "wp", "w1", "w2", "w3", "y", "o1", "o2", "o3")
+    compile_for_sm90(_sandwich_kernel, {**{name: "*bf16" for name in pointers}, "eps": "fp32", "scale": "fp32"},
+                     dict(HAS_B=has_b, HAS_POST=has_post, SCALED=scaled, NEXT=following, BLOCK=4096), num_warps=8)

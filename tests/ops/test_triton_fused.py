@@ -29,11 +29,19 @@ from ops.fused import (
     rms_norm_torch,
     route_topk_torch,
     routed_weights_torch,
+    sandwich_norm_torch,
 )
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the fused GPU kernels need it")
 
-from ops.triton.fused import add_rms_norm, qk_norm_rope, rms_norm, route_topk, routed_weights  # noqa: E402
+from ops.triton.fused import (  # noqa: E402
+    add_rms_norm,
+    qk_norm_rope,
+    rms_norm,
+    route_topk,
+    routed_weights,
+    sandwich_norm,
+)
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}  # 2 ulps of bf16 / fp16
@@ -115,6 +123,26 @@ def check_add_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: torch
         assert_close(total, ref_total, 2 ** -7)
         ref_normed = rms_norm_torch(total.cpu(), weight, EPS)
     return assert_close(normed, ref_normed, TOL[dtype], torch.finfo(dtype).tiny)
+
+
+def check_sandwich_norm(tokens: int, dtype: torch.dtype, device: torch.device, seed: int, has_b: bool,
+                        has_post: bool, scale: float, num_next: int) -> float:
+    """y = (x + [post-norm of] (norm a [+ norm b])) * scale against the torch reference, within a few ulps of |x| + 1
+    (each norm's output is O(1); the chain's roundings may differ by an ulp where the reference rounds twice), and the
+    next norms of the kernel's own y as `rms_norm_torch` gives them."""
+    gen = torch.Generator().manual_seed(seed)
+    x, a, b = ((torch.randn(tokens, 512, generator=gen) * 3).to(dtype) for _ in range(3))
+    wa, wb, wp, *following = ((torch.rand(512, generator=gen) + 0.5).to(dtype) for _ in range(3 + num_next))
+    args = (EPS, b if has_b else None, wb if has_b else None, wp if has_post else None, scale)
+    y, outs = sandwich_norm(x.to(device), a.to(device), wa.to(device), args[0],
+                            *(t.to(device) if isinstance(t, torch.Tensor) else t for t in args[1:]),
+                            tuple(w.to(device) for w in following))
+    ref_y, ref_outs = sandwich_norm_torch(x, a, wa, *args, tuple(following))
+    assert len(outs) == len(ref_outs) == num_next
+    worst = assert_close(y, ref_y, 4 * TOL[dtype], x.abs().float() * abs(scale) + 4.0)
+    for out, w in zip(outs, following):
+        worst = max(worst, assert_close(out, rms_norm_torch(y.cpu(), w, EPS), TOL[dtype], torch.finfo(dtype).tiny))
+    return worst
 
 
 def check_qk_norm_rope(tokens: int, heads: int, head_dim: int, style: str, has_norm: bool, dtype: torch.dtype,
@@ -211,6 +239,19 @@ def test_rms_norm_strided_rows_and_fp16(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("tokens", [1, 7, 32])
 def test_add_rms_norm(tokens: int, dtype: torch.dtype) -> None:
     check_add_rms_norm((tokens, 2048), dtype, CUDA, seed())
+
+
+# Gemma 4's block ends: after attention (no b, no post-norm, the FFN's norms next: 1 for a dense layer, 3 for an MoE
+# layer), after the FFN (b, a post-norm, the output scale, the next attention norm; none after the last layer)
+SANDWICHES = [(False, False, 1.0, 1), (False, False, 1.0, 3), (True, True, 0.5, 1), (True, True, 1.0, 0),
+              (False, False, 0.25, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("sandwich", SANDWICHES, ids=lambda c: f"b{int(c[0])}-post{int(c[1])}-x{c[2]}-next{c[3]}")
+def test_sandwich_norm(sandwich: tuple[bool, bool, float, int], dtype: torch.dtype) -> None:
+    check_sandwich_norm(7, dtype, CUDA, seed(), *sandwich)
 
 
 @pytest.mark.gpu
@@ -390,6 +431,9 @@ INTERPRETER_CHECKS = [
     ("rms_norm fp16 strided", lambda s: check_rms_norm((3, 256), F16, CPU, s, strided=True)),
     ("add_rms_norm fp32", lambda s: check_add_rms_norm((3, 256), F32, CPU, s)),
     ("add_rms_norm bf16", lambda s: check_add_rms_norm((2, 256), BF16, CPU, s)),
+    ("sandwich_norm after attention bf16", lambda s: check_sandwich_norm(2, BF16, CPU, s, False, False, 1.0, 3)),
+    ("sandwich_norm after the FFN fp32", lambda s: check_sandwich_norm(3, F32, CPU, s, True, True, 0.5, 1)),
+    ("sandwich_norm last layer bf16", lambda s: check_sandwich_norm(2, BF16, CPU, s, True, True, 1.0, 0)),
     ("qk_norm_rope neox norm bf16", lambda s: check_qk_norm_rope(3, 2, 64, "neox", True, BF16, CPU, s)),
     ("qk_norm_rope neox fp32", lambda s: check_qk_norm_rope(2, 2, 64, "neox", False, F32, CPU, s)),
     ("qk_norm_rope q and k bf16", lambda s: check_qk_pair(3, 4, 2, "neox", True, BF16, CPU, s, head_dim=64)),
