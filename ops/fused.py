@@ -142,9 +142,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     0..positions[i] of slot slot_ids[i], the last `window` of them where window > 0. Values may be narrower
     than keys (a latent cache's view). sinks: float32 `[heads]`, each head's sink logit in the softmax
     (`attention`)."""
-    if _fused(q) and _fits_attention_kernel(q, k_cache, v_cache, k_qtype, v_qtype) and not window and sinks is None:
+    if _fused(q) and _fits_attention_kernel(q, k_cache, v_cache, k_qtype, v_qtype, max_head_dim=512):
         from ops.triton.attention import decode_attention as fused_attention
-        return fused_attention(q, k_cache, v_cache, slot_ids, positions, scale, k_qtype=k_qtype, v_qtype=v_qtype)
+        return fused_attention(q, k_cache, v_cache, slot_ids, positions, scale, k_qtype=k_qtype, v_qtype=v_qtype,
+                               window=window, sinks=sinks)
     return decode_attention_sdpa(q, k_cache, v_cache, slot_ids, positions, scale, window, sinks, k_qtype=k_qtype,
                                  v_qtype=v_qtype)
 
@@ -165,11 +166,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _fits_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_qtype: QType | None,
-                           v_qtype: QType | None) -> bool:
-    """The Triton kernels' shapes: one head size for q, k and v, a power of two in [16, 256] (the caches'
-    rows that many values, or their quantized bytes)."""
+                           v_qtype: QType | None, max_head_dim: int = 256) -> bool:
+    """The Triton kernels' shapes: one head size for q, k and v, a power of two in [16, max_head_dim] (the caches'
+    rows that many values, or their quantized bytes; decode takes Gemma 4's 512)."""
     head_dim = q.shape[-1]
-    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0) or k_cache.shape[:-1] != v_cache.shape[:-1]:
+    if not (16 <= head_dim <= max_head_dim and head_dim & (head_dim - 1) == 0) or \
+            k_cache.shape[:-1] != v_cache.shape[:-1]:
         return False
     return all(cache.shape[-1] == (head_dim if qtype is None else row_bytes(qtype, head_dim, q.dtype))
                for cache, qtype in ((k_cache, k_qtype), (v_cache, v_qtype)))

@@ -4,7 +4,7 @@ Each decode token attends to positions 0..positions[i] of its slot in the contig
 `[num_slots, kv_heads, max_len, head_dim]`. The first kernel runs one program per (token, kv head,
 split of the positions): it reads its chunk of K/V once for all the q heads of the kv-head group
 (GQA) and keeps an online softmax in float32. The second combines the splits of each (token, head)
-by their log-sum-exp. Splits past a token's position do no work; loop bounds come from the loaded
+by their log-sum-exp. Splits past a token's position (or before its window) do no work; loop bounds come from the loaded
 positions and the grid from the shapes only, so a step can be captured in a CUDA graph. This
 replaces a gather (a full copy of K/V), a mask and SDPA.
 
@@ -83,17 +83,25 @@ def _kv_tile(row, pos, cols, s_pos, mask, DTYPE: tl.constexpr, BITS: tl.constexp
 
 
 @triton.jit
+def _first_position(last, window):
+    # the first position a token at `last` attends to: the last `window` positions up to its own (window > 0)
+    return tl.where(window > 0, tl.maximum(last - window + 1, 0), 0)
+
+
+@triton.jit
 def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_ids, positions, max_len,
-                  split_len, o, lse, qk_scale, GROUP: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr,
-                  D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, WIDEN: tl.constexpr):
+                  split_len, window, sinks, o, lse, qk_scale, GROUP: tl.constexpr, BG: tl.constexpr,
+                  BN: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                  SINKS: tl.constexpr, WIDEN: tl.constexpr):
     # program (token, kv head, split); rows of the tile are the group's q heads (padded to BG >= 16
     # for tl.dot), so K/V is read once per group. Scores are in the log2 domain (exp2 is cheaper).
     token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads, num_splits = tl.num_programs(1) * GROUP, tl.num_programs(2)
     slot = tl.load(slot_ids + token).to(tl.int64)
     last = _last_position(positions, token, max_len)
-    start = split.to(tl.int64) * split_len
-    end = tl.minimum(start + split_len, last + 1)
+    first = _first_position(last, window)
+    start = tl.maximum(split.to(tl.int64) * split_len, first)
+    end = tl.minimum(split.to(tl.int64) * split_len + split_len, last + 1)
     rows, cols = tl.arange(0, BG), tl.arange(0, D)
     heads = kv_head * GROUP + rows
     q_ptrs = q + token.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + cols[None, :]
@@ -102,6 +110,11 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
     v_base = v + slot * v_s0 + kv_head * v_s1
     m = tl.full([BG], float("-inf"), tl.float32)
     l_sum = tl.zeros([BG], tl.float32)
+    if SINKS:  # each head's sink logit joins the softmax of the token's first split that holds work, adding nothing
+        is_first = split == first // split_len
+        sink = tl.load(sinks + heads, mask=rows < GROUP, other=0.0) * 1.4426950408889634  # log2 domain
+        m = tl.where(is_first, sink, m)
+        l_sum = tl.where(is_first, 1.0, l_sum)
     acc = tl.zeros([BG, D], tl.float32)
     for n0 in range(start, end, BN):
         offs = n0 + tl.arange(0, BN)
@@ -128,17 +141,18 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
 
 
 @triton.jit
-def _combine_kernel(o, lse, positions, max_len, split_len, num_splits, out, D: tl.constexpr):
+def _combine_kernel(o, lse, positions, max_len, split_len, num_splits, window, out, D: tl.constexpr):
     # program (token, head): only the splits that hold work are read (the others were not written)
     token, head = tl.program_id(0), tl.program_id(1)
     last = _last_position(positions, token, max_len)
     used = tl.minimum(last // split_len + 1, num_splits)
+    lowest = _first_position(last, window) // split_len
     row = (token * tl.num_programs(1) + head).to(tl.int64)
     cols = tl.arange(0, D)
-    m = tl.load(lse + row * num_splits)  # split 0 always holds work
+    m = tl.load(lse + row * num_splits + lowest)  # the split of the first position always holds work
     weight = 0.0
     acc = tl.zeros([D], tl.float32)
-    for split in range(0, used):
+    for split in range(lowest, used):
         lse_s = tl.load(lse + row * num_splits + split)
         m_new = tl.maximum(m, lse_s)
         alpha, w = tl.exp2(m - m_new), tl.exp2(lse_s - m_new)
@@ -156,17 +170,24 @@ def default_num_splits(num_tokens: int, kv_heads: int, max_len: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                      positions: torch.Tensor, scale: float, num_splits: int | None = None,
-                     k_qtype: QType | None = None, v_qtype: QType | None = None) -> torch.Tensor:
+                     k_qtype: QType | None = None, v_qtype: QType | None = None, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q `[n, num_heads, head_dim]`; k_cache, v_cache `[num_slots, kv_heads, max_len, head_dim]` (any
     strides but the last: a view of the first `length` positions splits by `length`); slot_ids,
     positions int32/int64 `[n]` -> `[n, num_heads, head_dim]` in q's dtype. Token i attends to
-    positions 0..positions[i] of slot slot_ids[i]; head h reads kv head h // (num_heads // kv_heads).
+    positions 0..positions[i] of slot slot_ids[i] (the last `window` of them where window > 0); head h reads kv
+    head h // (num_heads // kv_heads). sinks: float32 `[num_heads]`, a logit per head that joins each softmax and
+    adds nothing (`ops.fused.attention`).
     num_splits: chunks of the positions (None: `default_num_splits`, from the shapes only).
     k_qtype, v_qtype: a cache of q8_0 / q4_0 rows, uint8 `[..., row_bytes]` (None: rows in q's dtype).
     NOTE: slot_ids in [0, num_slots) and positions in [0, max_len) are not checked (no host sync)."""
     n, num_heads, head_dim = _check_caches(q, k_cache, v_cache, k_qtype, v_qtype)
     check_vector("slot_ids", slot_ids, n, INDEX_DTYPES, q.device)
     check_vector("positions", positions, n, INDEX_DTYPES, q.device)
+    if window < 0:
+        raise ValueError(f"window: expected 0 (none) or a positive number of positions, got {window}")
+    if sinks is not None:
+        check_vector("sinks", sinks, num_heads, (torch.float32,), q.device)
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty((n, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if n == 0:
@@ -183,12 +204,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse = torch.empty((n, num_heads, splits), dtype=torch.float32, device=q.device)
     _split_kernel[(n, kv_heads, splits)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, *k_cache.stride()[:3], *v_cache.stride()[:3],
-        slot_ids, positions, max_len, split_len, o, lse, scale * _LOG2E,
+        slot_ids, positions, max_len, split_len, window, lse if sinks is None else sinks, o, lse, scale * _LOG2E,
         GROUP=group, BG=max(16, triton.next_power_of_2(group)), BN=block_n, D=head_dim,
-        K_BITS=KV_BITS[k_qtype], V_BITS=KV_BITS[v_qtype], WIDEN=interpreting() and q.dtype == torch.bfloat16,
-        num_warps=8)
+        K_BITS=KV_BITS[k_qtype], V_BITS=KV_BITS[v_qtype], SINKS=sinks is not None,
+        WIDEN=interpreting() and q.dtype == torch.bfloat16, num_warps=8)
     if splits > 1:
-        _combine_kernel[(n, num_heads)](o, lse, positions, max_len, split_len, splits, out, D=head_dim,
+        _combine_kernel[(n, num_heads)](o, lse, positions, max_len, split_len, splits, window, out, D=head_dim,
                                         num_warps=1 if head_dim <= 128 else 2)
     return out
 
@@ -203,8 +224,8 @@ def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"q: expected [n, num_heads, head_dim] with contiguous rows, got {tuple(q.shape)} "
                          f"strides {q.stride()}")
     n, num_heads, head_dim = q.shape
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"q: head_dim must be a power of two in [16, 256], got {head_dim}")
+    if head_dim < 16 or head_dim > 512 or head_dim & (head_dim - 1):
+        raise ValueError(f"q: head_dim must be a power of two in [16, 512], got {head_dim}")
     for name, cache, qtype in (("k_cache", k_cache, k_qtype), ("v_cache", v_cache, v_qtype)):
         _check_cache(name, cache, qtype, q.dtype, head_dim, device)
     if v_cache.shape[:3] != k_cache.shape[:3]:
@@ -391,18 +412,23 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tenso
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                            positions: torch.Tensor, scale: float, k_qtype: QType | None = None,
-                           v_qtype: QType | None = None) -> torch.Tensor:
-    """The reference: per token, the slot's keys up to its position (dequantized to q's dtype), kv heads
-    repeated, float32 softmax."""
+                           v_qtype: QType | None = None, window: int = 0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: per token, the slot's keys up to its position (the last `window` of them where window > 0;
+    dequantized to q's dtype), kv heads repeated, float32 softmax with each head's sink logit beside the scores."""
     group, head_dim = q.shape[1] // k_cache.shape[1], q.shape[2]
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         slot, last = int(slot_ids[i]), int(positions[i])
-        keys = dense(k_cache[slot, :, :last + 1], k_qtype, head_dim, q.dtype)
-        values = dense(v_cache[slot, :, :last + 1], v_qtype, head_dim, q.dtype)
+        first = max(0, last - window + 1) if window else 0
+        keys = dense(k_cache[slot, :, first:last + 1], k_qtype, head_dim, q.dtype)
+        values = dense(v_cache[slot, :, first:last + 1], v_qtype, head_dim, q.dtype)
         keys = keys.float().repeat_interleave(group, dim=0)  # [heads, len, head_dim]
         values = values.float().repeat_interleave(group, dim=0)
         scores = (keys @ q[i].float()[:, :, None])[:, :, 0] * scale  # [heads, len]
-        out[i] = (torch.softmax(scores, dim=-1)[:, None, :] @ values)[:, 0].to(q.dtype)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float().cpu().to(scores.device)[:, None]], dim=1)
+        probs = torch.softmax(scores, dim=-1)[:, :values.shape[1]]
+        out[i] = (probs[:, None, :] @ values)[:, 0].to(q.dtype)
     return out
 

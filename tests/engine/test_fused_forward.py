@@ -1,4 +1,4 @@
-"""The forward pass through the fused kernels (`ops.fused` on CUDA: norms with the residual add, q/k
+"""The forward pass through the fused kernels (`ops.fused` on CUDA: norms with the residual add and a block's end, q/k
 norm + rope, router top-k, decode attention, the KV write) equals the torch path, prefill and decode steps
 alike, with an unquantized KV cache and with q8_0 K and q4_0 V (the same quantizer in both paths,
 `tests/ops/test_triton_attention.py` checks it bit for bit).
@@ -48,7 +48,7 @@ def teacher_forced_logits(path: str, k_type: str, v_type: str) -> torch.Tensor:
 
 
 # bf16 on every layout; q8_0 K and q4_0 V on the standard one, and beside sliding windows and sinks
-# (gpt-oss) and per-layer head sizes (gemma4), whose attention runs in torch over the dequantized window
+# (gpt-oss) and per-layer head sizes (gemma4), whose decode attention runs the same kernel with its window and sinks
 CASES = [("qwen3moe", "bf16", "bf16"), ("qwen3moe", "q8_0", "q4_0"), ("deepseek2-tiny", "bf16", "bf16"),
          ("gpt-oss-tiny", "bf16", "bf16"), ("gpt-oss-tiny", "q8_0", "q4_0"), ("gemma4-tiny", "bf16", "bf16"),
          ("gemma4-tiny", "q8_0", "q4_0")]

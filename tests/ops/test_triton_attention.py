@@ -57,6 +57,8 @@ class Case:
     view_len: int | None = None  # pass a view of the first view_len positions of the cache
     k_qtype: QType | None = None  # K and V caches of quantized rows (None: rows of dtype)
     v_qtype: QType | None = None
+    window: int = 0  # each token attends to the last `window` positions up to its own (0: all)
+    sinks: bool = False  # a random sink logit per head
 
     @property
     def qtypes(self) -> tuple[QType | None, QType | None]:
@@ -126,14 +128,17 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     if case.view_len is not None:
         k, v = k[:, :, :case.view_len], v[:, :, :case.view_len]
     scale = case.head_dim ** -0.5
-    ref = decode_attention_torch(q, k, v, slot_ids, positions, scale, *case.qtypes)
+    sinks = 2 * torch.randn(case.num_heads, generator=torch.Generator().manual_seed(seed + 1)) if case.sinks else None
+    ref = decode_attention_torch(q, k, v, slot_ids, positions, scale, *case.qtypes, window=case.window, sinks=sinks)
     k_dense, v_dense = (t.to(device) for t in dense_caches(case, k, v))
     q, k, v, slot_ids, positions = (t.to(device) for t in (q, k, v, slot_ids, positions))
+    sinks = None if sinks is None else sinks.to(device)
     poison_allocator(device, 64 << 20)
     out = decode_attention(q, k, v, slot_ids, positions, scale, num_splits=case.num_splits, k_qtype=case.k_qtype,
-                           v_qtype=case.v_qtype)
+                           v_qtype=case.v_qtype, window=case.window, sinks=sinks)
     if case.qtypes != (None, None):
-        same = decode_attention(q, k_dense, v_dense, slot_ids, positions, scale, num_splits=case.num_splits)
+        same = decode_attention(q, k_dense, v_dense, slot_ids, positions, scale, num_splits=case.num_splits,
+                                window=case.window, sinks=sinks)
         assert_same_values(case, out, same, seed)
     return assert_close(case, out, ref, seed)
 
@@ -176,6 +181,9 @@ def check_rejects_bad_inputs(device: torch.device) -> None:
         ("slot_ids", inputs(slot_ids=torch.tensor([0], device=device))),
         ("positions", inputs(positions=torch.tensor([5.0, 3.0], device=device))),
         ("num_splits", inputs(num_splits=0)),
+        ("window", inputs(window=-1)),
+        ("sinks", inputs(sinks=torch.zeros(4, device=device))),
+        ("sinks", inputs(sinks=torch.zeros(8, dtype=torch.float64, device=device))),
     ]
     q8 = torch.zeros(3, 2, 32, 68, dtype=torch.uint8, device=device)  # q8_0 rows of head_dim 64
     bad += [
@@ -261,6 +269,16 @@ def test_long_context_any_split_count(num_splits: int | None) -> None:
 @pytest.mark.parametrize("head_dim", [16, 32, 256])
 def test_other_head_dims_and_fp16(head_dim: int, dtype: torch.dtype) -> None:
     run_case(Case(5, 16, 2, head_dim, dtype, max_len=640), CUDA, fresh_seed())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 100, 1000])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("heads", [(64, 8, 64), (16, 8, 256), (16, 2, 512)], ids=["gpt-oss", "gemma4-swa", "gemma4"])
+def test_sliding_windows_and_sinks(heads: tuple[int, int, int], sinks: bool, window: int) -> None:
+    # gpt-oss: a 128-position window and a sink logit per head; Gemma 4: 1024-position windows of 256-wide heads,
+    # full layers of 512-wide heads. Several splits: windows that start inside a split or past the first ones
+    run_case(Case(5, *heads, max_len=2048, window=window, sinks=sinks), CUDA, fresh_seed())
 
 
 @pytest.mark.gpu
@@ -365,6 +383,11 @@ INTERPRETER_CASES = [
     Case(1, 2, 2, 16, torch.float16, max_len=70, num_splits=1),
     Case(2, 4, 1, 64, torch.bfloat16, max_len=300, num_splits=5),
     Case(3, 4, 2, 16, torch.float32, max_len=200, num_splits=3, view_len=150),
+    # sliding windows (starting inside a split and past the first ones) and sink logits, heads of 512
+    Case(3, 4, 2, 16, torch.float32, max_len=200, num_splits=4, window=50, sinks=True),
+    Case(2, 8, 2, 32, torch.bfloat16, max_len=150, window=20),
+    Case(2, 4, 1, 64, torch.float32, max_len=100, num_splits=3, sinks=True),
+    Case(2, 4, 2, 512, torch.float32, max_len=40, num_splits=2, window=16),
 ]
 INTERPRETER_CHECKS = [(str(c), lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("validation", lambda seed: check_rejects_bad_inputs(torch.device("cpu"))))

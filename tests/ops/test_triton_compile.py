@@ -1,4 +1,5 @@
-"""The grouped expert kernels (and the newest fused one) compile for the H200 (sm90) on a machine without a GPU.
+"""The grouped expert kernels, the block-end norms and decode attention compile for the H200 (sm90) on a machine
+without a GPU.
 
 Triton's interpreter runs the kernels' semantics on the CPU (tests/ops/test_triton_experts.py) but lets through what
 only the compiler refuses (a global that is not a constexpr, a type that differs between branches): here each
@@ -18,6 +19,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from ops.triton import moe_gemm  # noqa: E402
+from ops.triton.attention import _split_kernel  # noqa: E402
 from ops.triton.down import _down_kernel  # noqa: E402
 from ops.triton.fused import _sandwich_kernel  # noqa: E402
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
@@ -114,3 +116,12 @@ def test_sandwich_norm_compiles_for_sm90(shape: tuple[bool, bool, bool, int]) ->
     pointers = ("x", "a", "b", "wa", "wb", "wp", "w1", "w2", "w3", "y", "o1", "o2", "o3")
     compile_for_sm90(_sandwich_kernel, {**{name: "*bf16" for name in pointers}, "eps": "fp32", "scale": "fp32"},
                      dict(HAS_B=has_b, HAS_POST=has_post, SCALED=scaled, NEXT=following, BLOCK=4096), num_warps=8)
+
+
+@needs_backend
+@pytest.mark.parametrize("head_dim", [256, 512])
+def test_decode_attention_with_windows_and_sinks_compiles_for_sm90(head_dim: int) -> None:
+    types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "lse": "*fp32", "sinks": "*fp32",
+             "slot_ids": "*i64", "positions": "*i64", "qk_scale": "fp32"}
+    compile_for_sm90(_split_kernel, types, dict(GROUP=8, BG=16, BN=max(16, 8192 // head_dim), D=head_dim, K_BITS=0,
+                                                V_BITS=0, SINKS=True, WIDEN=False), num_warps=8)
