@@ -7,8 +7,9 @@ microseconds of gate/up, of down and of the whole `grouped_expert_ffn`, and the 
 A time is the median of `replays` replays of a CUDA graph of 20 launches (the engine replays its steps), divided
 by 20. Each launch routes to other experts than the launch before it where there are enough, so that it does not
 find its weights in L2 (8 experts of Qwen3 fit in the H200's 50 MB). Weights are random blocks of the real formats,
-on the device. Order: every default first (all shapes, both batches), then gate_up_rows x num_warps and
-down_rows x num_warps (default warps, 2x, 4) at 1 token and then at 8, then the whole FFN at the fastest rows.
+on the device. Order: every default first (all shapes, both batches), then 8 and 16 blocks of 32 a step for the
+32-block formats (`ops.triton.qdot.step_blocks`), then gate_up_rows x num_warps and down_rows x num_warps (default
+warps, 2x, 4) at 1 token and then at 8, then the whole FFN at the fastest rows.
 Starts nothing after `budget_s` seconds (most of a config's cost is compiling; an H200 run ends within a minute)
 and lists what it skipped. A config that fails is one line saying why. In the tables `*` marks the default
 (`ops.triton.experts.DEFAULT_CONFIG`, the launchers' own warps), `<` the fastest of its kernel.
@@ -85,18 +86,22 @@ class Config:
     rows: int
     num_warps: int = 0  # 0: the launcher's own (`warps_for(rows, format)`)
     down_rows: int = 0  # "whole" only
+    blocks: int = 0  # blocks of 32 a step of the 32-block formats (0: by the row, `ops.triton.qdot.step_blocks`)
 
     @property
     def is_default(self) -> bool:
+        if self.blocks:
+            return False
         if self.kernel == "whole":
             return (self.rows, self.down_rows) == (DEFAULT_CONFIG.gate_up_rows, DEFAULT_CONFIG.down_rows)
         rows = DEFAULT_CONFIG.gate_up_rows if self.kernel == "gate_up" else DEFAULT_CONFIG.down_rows
         return self.rows == rows and self.num_warps == 0
 
     def __str__(self) -> str:
+        blocks = f" blocks {self.blocks}" if self.blocks else ""
         if self.kernel == "whole":
-            return f"whole    rows {self.rows:>3}/{self.down_rows:<3} warps default"
-        return f"{self.kernel:<8} rows {self.rows:>3}     warps {self.num_warps or 'default'}"
+            return f"whole    rows {self.rows:>3}/{self.down_rows:<3} warps default{blocks}"
+        return f"{self.kernel:<8} rows {self.rows:>3}     warps {self.num_warps or 'default'}{blocks}"
 
 
 def kernel_configs(kernel: str, all_rows: tuple[int, ...]) -> list[Config]:
@@ -110,6 +115,22 @@ def default_configs() -> list[Config]:
     gate_up, down = DEFAULT_CONFIG.gate_up_rows, DEFAULT_CONFIG.down_rows
     return [Config("gate_up", gate_up), Config("down", down),
             Config("whole", gate_up, down_rows=down)]
+
+
+def blocks_configs() -> list[Config]:
+    """The default rows with 8 and 16 blocks of 32 a step (the 32-block formats), at the default warps and twice
+    as many as the Q8_0/MXFP4 default (wider steps hold more registers), and the whole FFN with 8."""
+    gate_up, down = DEFAULT_CONFIG.gate_up_rows, DEFAULT_CONFIG.down_rows
+    return [c for blocks in (8, 16) for c in (Config("gate_up", gate_up, blocks=blocks),
+                                              Config("gate_up", gate_up, 2 * warps_for(gate_up), blocks=blocks),
+                                              Config("down", down, blocks=blocks),
+                                              Config("down", down, 2 * warps_for(down), blocks=blocks))] + \
+        [Config("whole", gate_up, down_rows=down, blocks=8)]
+
+
+def has_blocks(shape: Shape) -> bool:
+    """Some of the shape's formats read blocks of 32 (`blocks` changes their loops)."""
+    return any(t in (QType.Q8_0, QType.Q4_0, QType.MXFP4) for t in shape.types)
 
 
 def grid_configs() -> list[Config]:
@@ -212,15 +233,16 @@ def launcher(bench: Bench, config: Config) -> Callable[[int], object]:
     def gate_up(i: int) -> None:
         token_ids, expert_ids, _ = b.routings[i]
         launch_gate_up(b.x_gate, b.x_up, b.x_sums, token_ids, expert_ids, b.tables, b.h, b.h_sums,
-                       block_tokens=block_tokens, block_rows=config.rows, num_warps=config.num_warps or None)
+                       block_tokens=block_tokens, block_rows=config.rows, num_warps=config.num_warps or None,
+                       blocks=config.blocks)
 
     def down(i: int) -> None:
         _, expert_ids, weights = b.routings[i]
         launch_down(b.h, b.h_sums, expert_ids, weights, b.tables, b.y, block_tokens=block_tokens,
-                    block_rows=config.rows, num_warps=config.num_warps or None)
+                    block_rows=config.rows, num_warps=config.num_warps or None, blocks=config.blocks)
 
     def whole(i: int) -> torch.Tensor:
-        launch_config = LaunchConfig(gate_up_rows=config.rows, down_rows=config.down_rows)
+        launch_config = LaunchConfig(gate_up_rows=config.rows, down_rows=config.down_rows, blocks=config.blocks)
         return grouped_expert_ffn(b.x, *b.routings[i], b.tables, out=b.out, config=launch_config)
 
     return {"gate_up": gate_up, "down": down, "whole": whole}[config.kernel]
@@ -301,22 +323,24 @@ def best_whole(sweep: Sweep, shape: Shape, num_tokens: int) -> Config | None:
     return None if config.is_default else config
 
 
+def _order(c: Config) -> tuple[int, ...]:
+    return ("gate_up", "down", "whole").index(c.kernel), c.blocks, c.rows, c.down_rows, c.num_warps
+
+
 def report(sweep: Sweep, shape: Shape) -> None:
     print(f"\n== {shape}", flush=True)
-    print(f"{'tok':>3}  {'config':<38} {'us':>8} {'GB/s':>7}")
+    print(f"{'tok':>3}  {'config':<48} {'us':>8} {'GB/s':>7}")
     for num_tokens in TOKENS:
         bench = sweep.benches.get((shape.name, num_tokens))
         rows = [(c, r) for (name, tokens, c), r in sweep.results.items() if (name, tokens) == (shape.name, num_tokens)]
         fastest = {k: sweep.fastest(shape, num_tokens, k) for k in ("gate_up", "down", "whole")}
-        order = ("gate_up", "down", "whole")
-        for config, result in sorted(rows, key=lambda cr: (order.index(cr[0].kernel), cr[0].rows, cr[0].down_rows,
-                                                           cr[0].num_warps)):
+        for config, result in sorted(rows, key=lambda cr: _order(cr[0])):
             marks = ("*" if config.is_default else "") + ("<" if fastest[config.kernel] == config else "")
             if isinstance(result, float) and bench is not None:
                 shown = f"{result:8.1f} {gb_per_s(bench, config.kernel, result):7.0f}"
             else:
                 shown = f"failed: {result}"[:80]
-            print(f"{num_tokens:>3}  {config!s:<38} {shown} {marks}")
+            print(f"{num_tokens:>3}  {config!s:<48} {shown} {marks}")
     print(flush=True)
 
 
@@ -342,12 +366,17 @@ def main(budget_s: float, replays: int) -> None:
         for shape in SHAPES:
             for config in default_configs():
                 sweep.run(shape, num_tokens, config)
-    # 2. the grid, one config over all shapes at a time, 1 token first
+    # 2. more blocks a step, the shapes with 32-block formats, at both batches
+    for num_tokens in TOKENS:
+        for config in blocks_configs():
+            for shape in filter(has_blocks, SHAPES):
+                sweep.run(shape, num_tokens, config)
+    # 3. the grid, one config over all shapes at a time, 1 token first
     for num_tokens in TOKENS:
         for config in grid_configs():
             for shape in SHAPES:
                 sweep.run(shape, num_tokens, config)
-    # 3. the whole FFN at the fastest rows (each kernel's default warps)
+    # 4. the whole FFN at the fastest rows (each kernel's default warps)
     for num_tokens in TOKENS:
         for shape in SHAPES:
             config = best_whole(sweep, shape, num_tokens)

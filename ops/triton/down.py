@@ -10,7 +10,7 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vector
 from ops.triton.gate_up import bias_rows, warps_for
 from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_for
-from ops.triton.qdot import GROUP, MAGIC, has_kernel, rows_dot
+from ops.triton.qdot import GROUP, MAGIC, has_kernel, rows_dot, step_blocks
 from ops.triton.stage import COPY_BLOCK, Fill, fill_rows
 from ops.triton.tables import ExpertTables
 
@@ -30,7 +30,7 @@ def _down_kernel(
     y, y_stride, hidden, magic, fill_flags, host_down_ptrs, down_biases,
     DOWN_FMT: tl.constexpr, FF: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, FILL: tl.constexpr, COPY: tl.constexpr,
-    BIAS: tl.constexpr,
+    BIAS: tl.constexpr, BLOCKS: tl.constexpr,
 ):
     # program (pair position, block of BR rows of hidden); only the first pair of each expert works
     pid = tl.program_id(0)
@@ -63,7 +63,7 @@ def _down_kernel(
             down_addr, down_addr, safe_rows, down_row_bytes,
             h + p0 * h_stride, h + p1 * h_stride, h + p2 * h_stride, h + p3 * h_stride,
             hs + p0 * hs_stride, hs + p1 * hs_stride, hs + p2 * hs_stride, hs + p3 * hs_stride,
-            magic, DOWN_FMT, FF, BT, False)
+            magic, DOWN_FMT, FF, BT, False, BLOCKS)
         _store_y(y, y_stride, p0, h0 > 0, weights, rows, rmask, a0, bias, BIAS)
         if BT > 1:
             _store_y(y, y_stride, p1, h1 > 0, weights, rows, rmask, a1, bias, BIAS)
@@ -74,12 +74,13 @@ def _down_kernel(
 
 def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 tables: ExpertTables, y: torch.Tensor, block_tokens: int = 1, block_rows: int = 32,
-                num_warps: int | None = None, fill: Fill | None = None) -> None:
+                num_warps: int | None = None, fill: Fill | None = None, blocks: int = 0) -> None:
     """y[p] = weights[p] * (down_e(h[p]) + the tables' down bias of e) for each computed pair p, 0 for a skipped
     pair. h float32
     `[pairs, ff]` prepared for the down format (`prepare.launch_prepare`), h_sums `[pairs, ff // 16]`
     its natural sums; expert_ids, weights `[pairs]`; y float32 `[pairs, hidden]`. With `fill`, the down rows of
-    experts whose flag is set are first copied from host memory (`ops.triton.stage`)."""
+    experts whose flag is set are first copied from host memory (`ops.triton.stage`). blocks: the 32-block formats'
+    blocks a step (`qdot.step_blocks`, 0: its default)."""
     if not has_kernel(tables.down_type):
         raise ValueError(f"no down kernel for {tables.down_type.name}")
     num_pairs, device = expert_ids.shape[0], tables.device
@@ -107,5 +108,6 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
         fill.flags if fill is not None else expert_ids, (fill.host if fill is not None else tables).down_ptrs, biases,
         DOWN_FMT=int(tables.down_type), FF=tables.ff,
         BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs), FILL=fill is not None, COPY=COPY_BLOCK,
-        BIAS=down_bias is not None, num_warps=num_warps or warps_for(block_rows),
+        BIAS=down_bias is not None, BLOCKS=step_blocks(tables.ff, blocks),
+        num_warps=num_warps or warps_for(block_rows),
     )

@@ -34,11 +34,13 @@ _table_cache: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
 @dataclass(frozen=True)
 class LaunchConfig:
     """Block shapes: rows of ff (gate/up) and of hidden (down) per program, pairs of one expert per
-    pass over its weights (None: by the number of tokens)."""
+    pass over its weights (None: by the number of tokens), blocks of 32 a step of the 32-block formats (0: by the
+    row, `qdot.step_blocks`)."""
 
     gate_up_rows: int = 16
     down_rows: int = 32
     block_tokens: int | None = None
+    blocks: int = 0
 
 
 DEFAULT_CONFIG = LaunchConfig()
@@ -85,7 +87,7 @@ def _ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, wei
     h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens, fill, prepared)
     if has_kernel(tables.down_type):
         launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens,
-                    block_rows=config.down_rows, fill=fill)
+                    block_rows=config.down_rows, fill=fill, blocks=config.blocks)
     else:
         down_fallback(h, expert_ids, weights, tables, y)
     return y
@@ -106,7 +108,7 @@ def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
         x_gate, x_sums = (prepared.x, prepared.sums) if prepared is not None else launch_prepare(x, tables.gate_type)
         x_up = x_gate if tables.up_type == tables.gate_type else launch_prepare(x, tables.up_type)[0]
         launch_gate_up(x_gate, x_up, x_sums, token_ids, expert_ids, tables, h, h_sums,
-                       block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill)
+                       block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill, blocks=config.blocks)
     else:
         gate_up_fallback(x, token_ids, expert_ids, tables, h)
         if has_kernel(tables.down_type):

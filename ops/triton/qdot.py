@@ -38,6 +38,17 @@ def has_kernel(qtype: QType) -> bool:
     return qtype in KERNEL_TYPES
 
 
+def step_blocks(num_cols: int, blocks: int = 0) -> int:
+    """Blocks of 32 columns a step of the 32-block formats' loops (`rows_dot`'s BLOCKS): `blocks` where given (a
+    power of two), else the largest of 8, 4, 2, 1 that divides the row."""
+    if blocks:
+        if blocks & (blocks - 1) or not 1 <= blocks <= 64:
+            raise ValueError(f"blocks: expected a power of two in [1, 64], got {blocks}")
+        return blocks
+    n = num_cols // 32
+    return (n | 8) & -(n | 8)
+
+
 @triton.jit
 def read_place(col, FMT: tl.constexpr):
     """Natural column indices -> (where the kernel of format FMT reads them, the factor 2**-e
@@ -298,6 +309,14 @@ def _q6k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
 
 
 @triton.jit
+def _blocks(g, NBLK: tl.constexpr, NB: tl.constexpr):
+    """Step g's NB block indices `[1, NB, 1]` of a row of NBLK blocks, those past the row clamped to its last block
+    (read, then weighted 0 by the caller), and which are in the row."""
+    c = NB * g + tl.arange(0, NB)[None, :, None]
+    return tl.minimum(c, NBLK - 1), c < NBLK
+
+
+@triton.jit
 def _q80_load(start, c, m):
     """Halves `[BR, NB, 16]` (half 1 + m of block c: weights 2m, 2m + 1) and d (the same along m)."""
     halves = tl.load(start[:, None, None] + 17 * c + 1 + m).to(tl.int32)
@@ -314,12 +333,14 @@ def _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
     zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for g in range(K // 32 // NB):
-        c = NB * g + tl.arange(0, NB)[None, :, None]
+    for g in range((K // 32 + NB - 1) // NB):
+        c, valid = _blocks(g, K // 32, NB)
         qa, da = _q80_load(wa, c, m)
         qb, db = qa, da
         if TWO:
             qb, db = _q80_load(wb, c, m)
+        if K // 32 % NB:  # the last step's blocks past the row: their scales 0, so they add nothing
+            da, db = tl.where(valid, da, 0.0), tl.where(valid, db, 0.0)
         for b in tl.static_range(2):
             v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * b + m, BT)
             q = _code_times((qa ^ (128 << (8 * b))) & (255 << (8 * b)), magic, da, -8388608.0 * da)
@@ -350,14 +371,16 @@ def _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
     zero = tl.zeros([wa.shape[0], NB, 8], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for g in range(K // 32 // NB):
-        c = NB * g + tl.arange(0, NB)[None, :, None]
+    for g in range((K // 32 + NB - 1) // NB):
+        c, valid = _blocks(g, K // 32, NB)
         qa = tl.load(wa[:, None, None] + 9 * c + 1 + m).to(tl.int32)
         da = _f16(tl.load(wa[:, None, None] + 9 * c + 0 * m).to(tl.int32))
         qb, db = qa, da
         if TWO:
             qb = tl.load(wb[:, None, None] + 9 * c + 1 + m).to(tl.int32)
             db = _f16(tl.load(wb[:, None, None] + 9 * c + 0 * m).to(tl.int32))
+        if K // 32 % NB:  # the last step's blocks past the row: their scales 0, so they add nothing
+            da, db = tl.where(valid, da, 0.0), tl.where(valid, db, 0.0)
         for n in tl.static_range(2):
             for b in tl.static_range(2):
                 E = 8 * b + 4 * n
@@ -411,12 +434,14 @@ def _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K: tl.constexpr, BT: tl.constexpr
     j = tl.arange(0, 16)[None, None, :]
     zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for g in range(K // 32 // NB):
-        c = NB * g + tl.arange(0, NB)[None, :, None]
+    for g in range((K // 32 + NB - 1) // NB):
+        c, valid = _blocks(g, K // 32, NB)
         qa, sa = _mxfp4_load(wa, c, j)
         qb, sb = qa, sa
         if TWO:
             qb, sb = _mxfp4_load(wb, c, j)
+        if K // 32 % NB:  # the last step's blocks past the row: their scales 0, so they add nothing
+            sa, sb = tl.where(valid, sa, 0.0), tl.where(valid, sb, 0.0)
         for n in tl.static_range(2):
             v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * n + j, BT)
             a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, _e2m1_times(qa >> (4 * n), magic, sa), v0, v1, v2, v3, BT)
@@ -430,11 +455,14 @@ def _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K: tl.constexpr, BT: tl.constexpr
 
 @triton.jit
 def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-             FMT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr):
+             FMT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, BLOCKS: tl.constexpr):
     """Dots of rows `rows` (`[BR]`, all in range) of the matrices at byte addresses addr_a and, if TWO,
     addr_b (int64, 16-byte aligned, rows of row_bytes, format FMT, K columns) with activation rows
     x0..x3 (pointers to rows prepared for FMT; BT slots used) and their sums per 16 columns s0..s3
     (pointers); magic = 0x4B000000. Nothing is masked: callers clamp rows and point empty slots at a valid row.
+    BLOCKS (Q8_0, Q4_0, MXFP4; the others read a super-block a step): blocks of 32 a step, a power of two
+    (`step_blocks`); a row that BLOCKS does not divide ends in a step whose blocks past the row are read and
+    weighted 0.
     Returns `[BR]` float32 for (a, slot 0..3), then (b, slot 0..3)."""
     if FMT == Q4_K or FMT == Q5_K:
         wa = addr_a.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
@@ -447,17 +475,16 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     elif FMT == MXFP4:
         wa = addr_a.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
-        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K, BT, TWO, ((K // 32) | 8) & (-((K // 32) | 8)))
+        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K, BT, TWO, BLOCKS)
     else:
         tl.static_assert(FMT == Q8_0 or FMT == Q4_0, "rows_dot: no kernel for this format")
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
-        # blocks a step: the largest of 8, 4, 2, 1 that divides the row (lowest set bit of n | 8); the same below
         if FMT == Q8_0:
             out = _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
-                            ((K // 32) | 8) & (-((K // 32) | 8)))
+                            BLOCKS)
         else:
             out = _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
-                            ((K // 32) | 8) & (-((K // 32) | 8)))
+                            BLOCKS)
     return out
 

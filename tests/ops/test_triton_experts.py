@@ -70,6 +70,7 @@ class Case:
     down_rows: int = 32
     activation: str = "silu"
     biases: bool = False
+    blocks: int = 0  # blocks of 32 a step of the 32-block formats (0: by the row)
 
 
 def random_math(case: Case, generator: torch.Generator) -> ExpertMath:
@@ -137,7 +138,7 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     out = torch.full((case.num_tokens, case.hidden), float("nan"), device=device)
     poison_allocator(device, 64 << 20)
     grouped_expert_ffn(x.to(device), token_ids.to(device), expert_ids.to(device), weights.to(device), tables,
-                       out=out, config=LaunchConfig(case.gate_up_rows, case.down_rows, case.block_tokens))
+                       out=out, config=LaunchConfig(case.gate_up_rows, case.down_rows, case.block_tokens, case.blocks))
     assert out.isfinite().all(), "unwritten or non-finite outputs"
     error = relative_error(out, ref)
     assert error < RTOL, f"{case}: relative error {error:.2e}"
@@ -212,6 +213,18 @@ def test_the_new_presets_shapes(shape: tuple[int, int, QType, str, bool], num_to
     hidden, ff, qtype, activation, biases = shape
     case = Case((qtype,) * 3, num_tokens, torch.bfloat16, hidden=hidden, ff=ff, num_experts=16, top_k=4,
                 activation=activation, biases=biases)
+    run_case(case, CUDA, seed=int(torch.randint(1 << 30, ())))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("types", [(QType.Q8_0,) * 3, (QType.Q4_0,) * 3, (QType.MXFP4,) * 3,
+                                   (QType.Q4_0, QType.MXFP4, QType.Q8_0)], ids=lambda t: "-".join(q.name for q in t))
+@pytest.mark.parametrize("blocks", [8, 16])
+@pytest.mark.parametrize("shape", [(2816, 704), (2880, 2880), (224, 160)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_more_blocks_a_step(types: tuple[QType, QType, QType], blocks: int, shape: tuple[int, int]) -> None:
+    # rows of 88, 90, 22, 7 and 5 blocks: every one but 88 at 8 ends in a step that reaches past the row
+    case = Case(types, 3, torch.bfloat16, hidden=shape[0], ff=shape[1], num_experts=8, top_k=4, biases=True,
+                blocks=blocks)
     run_case(case, CUDA, seed=int(torch.randint(1 << 30, ())))
 
 
@@ -378,9 +391,12 @@ INTERPRETER_CASES = [
          num_experts=4, top_k=2, gate_up_rows=32, biases=True),
     Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=2, hidden=256, ff=256, num_experts=3, top_k=2,
          gate_up_rows=32, activation="gelu", biases=True),
+    # 16 blocks a step over rows of 24 and 5 blocks: the last step reaches past the row
+    Case((QType.Q4_0, QType.MXFP4, QType.Q8_0), num_tokens=2, hidden=768, ff=160, num_experts=3, top_k=2,
+         gate_up_rows=32, biases=True, blocks=16),
 ]
 INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens} {c.activation}"
-                       f"{' biases' if c.biases else ''}",
+                       f"{' biases' if c.biases else ''}{f' blocks={c.blocks}' if c.blocks else ''}",
                        lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("bf16 out", lambda seed: check_16bit_out(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
 INTERPRETER_CHECKS.append(("prepared x",
