@@ -8,7 +8,8 @@
 #      and llama.cpp's 8 sequences, small budgets against no cache (every policy), stream and hybrid at 25% (decay);
 #   3: the CPU-computed misses: llama.cpp's -ncmoe 48 row, stream and hybrid at 50%, the three miss modes with no
 #      cache, host memory shared by link and CPU (.ci/gpu-host-share.py), the miss modes on a 16 GB/s link;
-#   4: the step profile (.ci/gpu-step-profile.py), the prompt's (.ci/gpu-prefill-profile.py), the doorbell's round
+#   4: the decode expert kernels' sweep (.ci/gpu-expert-sweep.py), the step profile (.ci/gpu-step-profile.py), the
+#      prompt's (.ci/gpu-prefill-profile.py), the doorbell's round
 #      trip and a streamed miss's cost (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over
 #      quantized KV caches, captured and eager (.ci/gpu-qkv-probe.py), where the lease has time left.
 #   5: throughput as served: batched decode beside llama-batched-bench, moecache bench-serve over HTTP and gRPC.
@@ -81,6 +82,9 @@ case "$1" in
     CACHED_EXTRA="--warmup-gen-len 100 --gen-len 24 --repeats 1 --link-gbps 16" bash .ci/gpu-check cached
   ;;
 4)
+  # the decode expert kernels' block shapes and blocks a step (every preset's layer), then the step profiles
+  PYTHONPATH=/tmp/site:$PWD timeout 120 python3 .ci/gpu-expert-sweep.py 100 > "$LOGS/expert-sweep.log" 2>&1
+  grep -E "^(==|  1 )" "$LOGS/expert-sweep.log" | grep -E "==|blocks|\*" | head -60
   BUDGET_S=165 PROFILE_S=160 PROFILE_LINES=160 bash .ci/gpu-check profile
   PYTHONPATH=/tmp/site:$PWD timeout 150 python3 .ci/gpu-prefill-profile.py /tmp/qwen3moe-30b-a3b.gguf 512 2>&1 \
     | tee "$LOGS/prefill-profile.log" | grep -E "^(==|  +[0-9])" | head -70
