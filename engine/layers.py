@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.weights import DenseFFN
+from ops.fused import gated_act
 
 
 def swiglu(x: torch.Tensor, ffn: DenseFFN) -> torch.Tensor:
-    gate, up = F.linear(x, ffn.gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, ffn.down)
+    return F.linear(gated_act(F.linear(x, ffn.gate_up), "silu"), ffn.down)

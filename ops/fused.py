@@ -1,5 +1,5 @@
 """The small per-layer operations of the forward pass (RMSNorm with the residual add, a post-normed block's end with
-the next block's norms, q/k norm + rotary
+the next block's norms, a dense FFN's gated activation, q/k norm + rotary
 embedding, router top-k, attention over the KV cache and its write), each with its torch reference.
 
 On CUDA with Triton each is one fused launch (`ops/triton/fused.py`, `ops/triton/attention.py`)
@@ -69,6 +69,15 @@ def sandwich_norm(x: torch.Tensor, a: torch.Tensor, a_weight: torch.Tensor, eps:
         from ops.triton import fused
         return fused.sandwich_norm(x, a, a_weight, eps, b, b_weight, post_weight, scale, next_weights)
     return sandwich_norm_torch(x, a, a_weight, eps, b, b_weight, post_weight, scale, next_weights)
+
+
+def gated_act(gate_up: torch.Tensor, activation: Literal["silu", "gelu"]) -> torch.Tensor:
+    """`act(gate) * up` of a dense FFN's stacked projection `[tokens, 2 ff]` (gate, then up) -> `[tokens, ff]`:
+    SiLU, or GELU in its tanh form."""
+    if _fused(gate_up):
+        from ops.triton import fused
+        return fused.gated_act(gate_up, activation)
+    return gated_act_torch(gate_up, activation)
 
 
 def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: torch.Tensor,
@@ -224,6 +233,11 @@ def sandwich_norm_torch(x: torch.Tensor, a: torch.Tensor, a_weight: torch.Tensor
     if scale != 1.0:
         y = y * scale
     return y, [rms_norm_torch(y, w, eps) for w in next_weights]
+
+
+def gated_act_torch(gate_up: torch.Tensor, activation: Literal["silu", "gelu"]) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
 def qk_norm_rope_torch(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: torch.Tensor,

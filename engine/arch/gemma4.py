@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from engine.arch.base import ArchSpec, HParams, TensorSource, layer_tensor
 from ops.expert_math import ExpertMath
-from ops.fused import qk_norm_rope, rms_norm
+from ops.fused import gated_act, qk_norm_rope, rms_norm
 
 GELU = ExpertMath("gelu")
 
@@ -106,8 +106,7 @@ class DenseMLP:
 
 def gelu_mlp(x: torch.Tensor, mlp: Any) -> torch.Tensor:
     """`down(gelu_tanh(gate x) * up x)` of any FFN with stacked gate/up and down matrices."""
-    gate, up = F.linear(x, mlp.gate_up).chunk(2, dim=-1)
-    return F.linear(F.gelu(gate, approximate="tanh") * up, mlp.down)
+    return F.linear(gated_act(F.linear(x, mlp.gate_up), "gelu"), mlp.down)
 
 
 def load_attention(src: TensorSource, i: int, hp: HParams) -> GemmaAttention:

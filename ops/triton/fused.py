@@ -1,5 +1,5 @@
 """Fused small kernels of a decode step: RMSNorm (with the residual add), a post-normed block's end with the next
-block's norms, q/k norm + rotary embedding,
+block's norms, a dense FFN's gated activation, q/k norm + rotary embedding,
 and router softmax + top-k + renormalisation, each one launch instead of 5-8 torch ops.
 
 Each launcher `f` has its torch reference `f_torch`, with the same signature, in ops/fused.py (the
@@ -182,6 +182,45 @@ def sandwich_norm(x: torch.Tensor, a: torch.Tensor, a_weight: torch.Tensor, eps:
             HAS_B=b is not None, HAS_POST=post_weight is not None, SCALED=scale != 1.0, NEXT=len(next_weights),
             BLOCK=block, num_warps=_num_warps(block))
     return y, outs
+
+
+# --- a dense FFN's gated activation ------------------------------------------------------------------------
+
+GATED_BLOCK = 1024  # columns a program
+
+
+@triton.jit
+def _gated_act_kernel(gate_up, stride, out, ff, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    # program (row, block of columns); out is contiguous [rows, ff]. The activation is rounded to the dtype before
+    # the product, as the torch reference's two ops round
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < ff
+    gate = tl.load(gate_up + row * stride + cols, mask=in_row, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + row * stride + ff + cols, mask=in_row, other=0.0).to(tl.float32)
+    if GELU:  # 0.5 g (1 + tanh(z)) = g sigmoid(2z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    else:
+        act = gate * tl.sigmoid(gate)
+    act = act.to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + row * ff + cols, (act * up).to(out.dtype.element_ty), mask=in_row)
+
+
+def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """`ops.fused.gated_act` in one launch: gate_up `[tokens, 2 ff]` (rows contiguous) -> `[tokens, ff]`."""
+    device = gate_up.device
+    check_device("gate_up", gate_up, device)
+    if activation not in ("silu", "gelu"):
+        raise ValueError(f"activation: expected silu or gelu, got {activation!r}")
+    if gate_up.dim() != 2 or gate_up.dtype not in FLOAT_DTYPES or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up: expected float [tokens, 2 ff] with contiguous rows, got {gate_up.dtype} "
+                         f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
+    ff = gate_up.shape[1] // 2
+    out = torch.empty((gate_up.shape[0], ff), dtype=gate_up.dtype, device=device)
+    if gate_up.shape[0] and ff:
+        _gated_act_kernel[(gate_up.shape[0], triton.cdiv(ff, GATED_BLOCK))](
+            gate_up, gate_up.stride(0), out, ff, GELU=activation == "gelu", BLOCK=GATED_BLOCK, num_warps=4)
+    return out
 
 
 # --- q/k norm + rotary embedding ----------------------------------------------------------------------

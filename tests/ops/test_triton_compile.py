@@ -1,5 +1,5 @@
-"""The grouped expert kernels, the block-end norms and decode attention compile for the H200 (sm90) on a machine
-without a GPU.
+"""The grouped expert kernels, the block-end norms, the gated activation and decode attention compile for the H200
+(sm90) on a machine without a GPU.
 
 Triton's interpreter runs the kernels' semantics on the CPU (tests/ops/test_triton_experts.py) but lets through what
 only the compiler refuses (a global that is not a constexpr, a type that differs between branches): here each
@@ -21,7 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from ops.triton import moe_gemm  # noqa: E402
 from ops.triton.attention import _split_kernel  # noqa: E402
 from ops.triton.down import _down_kernel  # noqa: E402
-from ops.triton.fused import _sandwich_kernel  # noqa: E402
+from ops.triton.fused import _gated_act_kernel, _sandwich_kernel  # noqa: E402
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
 from ops.triton.qdot import KERNEL_TYPES, step_blocks  # noqa: E402
@@ -129,3 +129,9 @@ def test_decode_attention_with_windows_and_sinks_compiles_for_sm90(head_dim: int
              "slot_ids": "*i64", "positions": "*i64", "qk_scale": "fp32"}
     compile_for_sm90(_split_kernel, types, dict(GROUP=8, BG=16, BN=max(16, 8192 // head_dim), D=head_dim, K_BITS=0,
                                                 V_BITS=0, SINKS=True, WIDEN=False), num_warps=8)
+
+
+@needs_backend
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu"])
+def test_gated_act_compiles_for_sm90(gelu: bool) -> None:
+    compile_for_sm90(_gated_act_kernel, {"gate_up": "*bf16", "out": "*bf16"}, dict(GELU=gelu, BLOCK=1024), num_warps=4)

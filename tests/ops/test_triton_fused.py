@@ -25,6 +25,7 @@ import torch
 from engine.model import rope_frequencies
 from ops.fused import (
     add_rms_norm_torch,
+    gated_act_torch,
     qk_norm_rope_torch,
     rms_norm_torch,
     route_topk_torch,
@@ -36,6 +37,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the fuse
 
 from ops.triton.fused import (  # noqa: E402
     add_rms_norm,
+    gated_act,
     qk_norm_rope,
     rms_norm,
     route_topk,
@@ -145,6 +147,18 @@ def check_sandwich_norm(tokens: int, dtype: torch.dtype, device: torch.device, s
     return worst
 
 
+def check_gated_act(tokens: int, ff: int, activation: str, dtype: torch.dtype, device: torch.device,
+                    seed: int) -> float:
+    """act(gate) * up against the torch reference: within 2 ulps of the product's magnitude (the activation is rounded
+    to the dtype before the product in both; its float32 value may differ in the last bits)."""
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(tokens, 2 * ff, generator=gen) * 3).to(dtype)
+    out = gated_act(gate_up.to(device), activation)
+    ref = gated_act_torch(gate_up, activation)  # type: ignore[arg-type]
+    floor = gate_up[:, ff:].abs().float() * 2 ** -10  # act near 0: an ulp of act times |up|
+    return assert_close(out, ref, 2 * TOL[dtype], floor.to(dtype).float().clamp(min=torch.finfo(dtype).tiny))
+
+
 def check_qk_norm_rope(tokens: int, heads: int, head_dim: int, style: str, has_norm: bool, dtype: torch.dtype,
                        device: torch.device, seed: int, strided: bool = False) -> float:
     gen = torch.Generator().manual_seed(seed)
@@ -245,6 +259,13 @@ def test_add_rms_norm(tokens: int, dtype: torch.dtype) -> None:
 # layer), after the FFN (b, a post-norm, the output scale, the next attention norm; none after the last layer)
 SANDWICHES = [(False, False, 1.0, 1), (False, False, 1.0, 3), (True, True, 0.5, 1), (True, True, 1.0, 0),
               (False, False, 0.25, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=[*DTYPE_IDS, "fp16"])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_gated_act(activation: str, dtype: torch.dtype) -> None:
+    check_gated_act(7, 2112, activation, dtype, CUDA, seed())  # Gemma 4's dense MLP: 2112 columns, 3 programs a row
 
 
 @pytest.mark.gpu
@@ -431,6 +452,8 @@ INTERPRETER_CHECKS = [
     ("rms_norm fp16 strided", lambda s: check_rms_norm((3, 256), F16, CPU, s, strided=True)),
     ("add_rms_norm fp32", lambda s: check_add_rms_norm((3, 256), F32, CPU, s)),
     ("add_rms_norm bf16", lambda s: check_add_rms_norm((2, 256), BF16, CPU, s)),
+    ("gated_act silu fp32", lambda s: check_gated_act(3, 1100, "silu", F32, CPU, s)),
+    ("gated_act gelu bf16", lambda s: check_gated_act(2, 300, "gelu", BF16, CPU, s)),
     ("sandwich_norm after attention bf16", lambda s: check_sandwich_norm(2, BF16, CPU, s, False, False, 1.0, 3)),
     ("sandwich_norm after the FFN fp32", lambda s: check_sandwich_norm(3, F32, CPU, s, True, True, 0.5, 1)),
     ("sandwich_norm last layer bf16", lambda s: check_sandwich_norm(2, BF16, CPU, s, True, True, 1.0, 0)),
