@@ -17,6 +17,7 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 
 from ops.fused import RopeStyle
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows, check_vector
+from ops.triton.gate_up import ACTIVATIONS, _activation
 
 MAX_DIM = 16384  # one program holds a whole row
 MAX_EXPERTS = 1024
@@ -32,6 +33,13 @@ def _num_warps(block: int) -> int:
 
 
 @triton.jit
+def _normed(v, w, dim, eps, DT: tl.constexpr):
+    """weight * v / rms(v) of float32 `v` (0 beyond dim), rounded once to DT (every norm kernel's math)."""
+    scale = tl.rsqrt(tl.sum(v * v, axis=0) / dim + eps)
+    return (v * scale * w).to(DT).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x, x_stride, update, update_stride, weight, out, total, dim, eps,
                      HAS_UPDATE: tl.constexpr, BLOCK: tl.constexpr):
     # program (row); out and total are contiguous [rows, dim]
@@ -43,10 +51,9 @@ def _rms_norm_kernel(x, x_stride, update, update_stride, weight, out, total, dim
         u = tl.load(update + row * update_stride + cols, mask=in_row, other=0.0)
         v = (v.to(tl.float32) + u.to(tl.float32)).to(out.dtype.element_ty)  # the bits of `x + update`
         tl.store(total + row * dim + cols, v, mask=in_row)
-    v = v.to(tl.float32)
-    scale = tl.rsqrt(tl.sum(v * v, axis=0) / dim + eps)
     w = tl.load(weight + cols, mask=in_row, other=0.0).to(tl.float32)
-    tl.store(out + row * dim + cols, (v * scale * w).to(out.dtype.element_ty), mask=in_row)
+    DT = out.dtype.element_ty
+    tl.store(out + row * dim + cols, _normed(v.to(tl.float32), w, dim, eps, DT).to(DT), mask=in_row)
 
 
 def _as_rows(name: str, x: torch.Tensor, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -97,13 +104,6 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
 
 
 # --- a post-normed block's end (Gemma 4's sandwich) ---------------------------------------------------------
-
-
-@triton.jit
-def _normed(v, w, dim, eps, DT: tl.constexpr):
-    """weight * v / rms(v) of float32 `v` (0 beyond dim), rounded once to DT as `_rms_norm_kernel` rounds."""
-    scale = tl.rsqrt(tl.sum(v * v, axis=0) / dim + eps)
-    return (v * scale * w).to(DT).to(tl.float32)
 
 
 @triton.jit
@@ -171,7 +171,7 @@ def sandwich_norm(x: torch.Tensor, a: torch.Tensor, a_weight: torch.Tensor, eps:
     y = torch.empty(x.shape, dtype=x.dtype, device=device)
     outs = [torch.empty(x.shape, dtype=x.dtype, device=device) for _ in next_weights]
     if rows.shape[0]:
-        # placeholders past NEXT: never read or written
+        # the kernel reads w1..w3 and writes o1..o3 only below NEXT: the slots past it take any tensor of the dtype
         next_slots = [*next_weights, *[a_weight] * (3 - len(next_weights))]
         out_slots = [*outs, *[y] * (3 - len(outs))]
         block = triton.next_power_of_2(dim)
@@ -190,7 +190,7 @@ GATED_BLOCK = 1024  # columns a program
 
 
 @triton.jit
-def _gated_act_kernel(gate_up, stride, out, ff, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_act_kernel(gate_up, stride, out, ff, ACT: tl.constexpr, BLOCK: tl.constexpr):
     # program (row, block of columns); out is contiguous [rows, ff]. The activation is rounded to the dtype before
     # the product, as the torch reference's two ops round
     row = tl.program_id(0).to(tl.int64)
@@ -198,11 +198,7 @@ def _gated_act_kernel(gate_up, stride, out, ff, GELU: tl.constexpr, BLOCK: tl.co
     in_row = cols < ff
     gate = tl.load(gate_up + row * stride + cols, mask=in_row, other=0.0).to(tl.float32)
     up = tl.load(gate_up + row * stride + ff + cols, mask=in_row, other=0.0).to(tl.float32)
-    if GELU:  # 0.5 g (1 + tanh(z)) = g sigmoid(2z), z = sqrt(2 / pi) (g + 0.044715 g^3)
-        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
-    else:
-        act = gate * tl.sigmoid(gate)
-    act = act.to(out.dtype.element_ty).to(tl.float32)
+    act = _activation(gate, 1.0, 0.0, 0.0, ACT).to(out.dtype.element_ty).to(tl.float32)  # the experts' formulas
     tl.store(out + row * ff + cols, (act * up).to(out.dtype.element_ty), mask=in_row)
 
 
@@ -219,7 +215,7 @@ def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     out = torch.empty((gate_up.shape[0], ff), dtype=gate_up.dtype, device=device)
     if gate_up.shape[0] and ff:
         _gated_act_kernel[(gate_up.shape[0], triton.cdiv(ff, GATED_BLOCK))](
-            gate_up, gate_up.stride(0), out, ff, GELU=activation == "gelu", BLOCK=GATED_BLOCK, num_warps=4)
+            gate_up, gate_up.stride(0), out, ff, ACT=ACTIVATIONS[activation], BLOCK=GATED_BLOCK, num_warps=4)
     return out
 
 

@@ -134,4 +134,5 @@ def test_decode_attention_with_windows_and_sinks_compiles_for_sm90(head_dim: int
 @needs_backend
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu"])
 def test_gated_act_compiles_for_sm90(gelu: bool) -> None:
-    compile_for_sm90(_gated_act_kernel, {"gate_up": "*bf16", "out": "*bf16"}, dict(GELU=gelu, BLOCK=1024), num_warps=4)
+    compile_for_sm90(_gated_act_kernel, {"gate_up": "*bf16", "out": "*bf16"},
+                     dict(ACT=ACTIVATIONS["gelu" if gelu else "silu"], BLOCK=1024), num_warps=4)
