@@ -146,7 +146,7 @@ PY
     [ "$(left)" -gt 50 ] || { echo "== KV $kv: no time left in the stage" | tee -a "$LOGS/kv32k.log"; continue; }
     echo "== KV $kv, 32k context" | tee -a "$LOGS/kv32k.log"
     PYTHONPATH=/tmp/site:$PWD timeout "$(left)" python3 -m service.cli bench -m $M --n-cpu-moe 0 --kv-cache-dtype $kv \
-      --batches 1 --prompt-len 16 --decode-prompt-len 32704 --warmup-gen-len 2 --gen-len 64 --repeats 1 \
+      --batches 1 --prompt-len 16 --decode-prompt-len 32704 --max-num-seqs 1 --warmup-gen-len 2 --gen-len 64 --repeats 1 \
       --json "$LOGS/kv32k-$kv.json" 2>&1 | tee -a "$LOGS/kv32k.log" | grep -E "^\||rror"
   done
   ;;

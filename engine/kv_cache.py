@@ -21,6 +21,7 @@ from ops.quants import QType
 LayerShape = tuple[int, int]  # (kv_heads, head_dim) of one layer's cache; 0 heads: the layer caches nothing
 
 KV_TYPE_FLAGS = "--kv-cache-dtype, -ctk/--cache-type-k, -ctv/--cache-type-v"
+GIB = 1 << 30
 
 
 class KVCache:
@@ -99,3 +100,15 @@ def kv_cache_bytes(hp: HParams, num_slots: int, max_len: int, dtype: torch.dtype
     """Device bytes of a model's cache of these slots, positions and K / V types (dtype: the activation
     dtype), counted on the meta device: nothing is allocated. Refuses what `KVCache.for_model` refuses."""
     return KVCache.for_model(hp, num_slots, max_len, dtype, torch.device("meta"), k_type, v_type).num_bytes
+
+
+def check_kv_fits(hp: HParams, max_num_seqs: int, max_len: int, dtype: torch.dtype, kv_types: tuple[str, str],
+                  free_bytes: int | None) -> None:
+    """A KV cache larger than the device's free memory (None: the host's, not checked) is a ValueError naming its
+    size and the options that set it, before the allocation fails."""
+    size = kv_cache_bytes(hp, max_num_seqs + 1, max_len, dtype, *kv_types)
+    if free_bytes is not None and size > free_bytes:
+        raise ValueError(
+            f"the KV cache needs {size / GIB:.1f} GiB ({max_num_seqs} sequences of {max_len} positions and a scratch "
+            f"slot; K {kv_types[0]}, V {kv_types[1]}) and the device has {free_bytes / GIB:.1f} GiB free after the "
+            f"weights: lower --max-num-seqs or -c/--ctx-size, or quantize it ({KV_TYPE_FLAGS} q8_0 or q4_0)")

@@ -21,7 +21,7 @@ from engine.expert_cache.record import StepRecord
 from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
-from engine.kv_cache import KVCache, check_kv_types
+from engine.kv_cache import KVCache, check_kv_fits, check_kv_types
 from engine.model import Model, SeqSpan
 from engine.moe import Router
 from engine.runner import ModelRunner
@@ -91,6 +91,8 @@ class LLMEngine:
         max_len = min(config.model.max_context, hp.context_length)
         sched = replace(config.scheduler, max_model_len=max_len)
         # one slot per sequence, plus a scratch slot for the padding rows of captured batches
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        check_kv_fits(hp, sched.max_num_seqs, max_len, dtype, config.model.kv_types, free)
         self.kv = KVCache.for_model(hp, sched.max_num_seqs + 1, max_len, dtype, self.device, *config.model.kv_types)
         self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages, locate=self.gguf.locate)
         self.scheduler = Scheduler(sched)

@@ -62,6 +62,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    fit_sequences(args)
     config = with_default_model(engine_config(args))
     check_batches(args, config)
     tokenizer = Tokenizer.from_metadata(GGUFFile(str(config.model.path)).metadata)
@@ -77,6 +78,15 @@ def run(args: argparse.Namespace) -> int:
         write_json(report, args.json)
     print(format_table(report))
     return 0
+
+
+def fit_sequences(args: argparse.Namespace) -> None:
+    """Where --max-num-seqs keeps its default, the server takes every stream and joining request at once."""
+    needed = max(args.clients) + args.join
+    if args.url is None and args.max_num_seqs == SchedulerConfig.max_num_seqs < needed:
+        args.max_num_seqs = needed
+        print(f"--max-num-seqs {needed}: {max(args.clients)} clients and {args.join} joining requests at once",
+              file=sys.stderr)
 
 
 def check_batches(args: argparse.Namespace, config: EngineConfig) -> None:

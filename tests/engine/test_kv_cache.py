@@ -12,7 +12,7 @@ import torch
 from engine.arch import get_arch
 from engine.config import EngineConfig, ModelConfig
 from engine.gguf.reader import GGUFFile
-from engine.kv_cache import KVCache, kv_cache_bytes
+from engine.kv_cache import KVCache, check_kv_fits, kv_cache_bytes
 from engine.llm_engine import LLMEngine
 from engine.types import Request, SamplingParams
 from ops.quants import QType
@@ -76,6 +76,19 @@ def test_the_mla_latent_cache_refuses_quantized_types(preset_gguf: Callable[[str
     assert kv.is_latent and kv.qtypes == (None, None) and kv.v[0].data_ptr() == kv.k[0].data_ptr()
     assert kv.num_bytes == kv_cache_bytes(hp, 2, 16, torch.float32) == hp.num_layers * 2 * 16 * hp.mla.latent_dim * 4
     assert greedy(make_engine(path, "bf16", "bf16"), [1, 2, 3], 4)
+
+
+def test_a_cache_larger_than_the_free_memory_is_refused_with_its_size(tiny_gguf: Path) -> None:
+    gguf = GGUFFile(tiny_gguf)
+    hp = get_arch(gguf.architecture).hparams(gguf.metadata, vocab_size=0)
+    size = kv_cache_bytes(hp, 33, 32768, torch.bfloat16)  # 32 sequences and the scratch slot
+    check_kv_fits(hp, 32, 32768, torch.bfloat16, ("bf16", "bf16"), size)  # exactly fits
+    check_kv_fits(hp, 32, 32768, torch.bfloat16, ("bf16", "bf16"), None)  # the host: not checked
+    with pytest.raises(ValueError, match=r"the KV cache needs .* GiB \(32 sequences of 32768 positions.*"
+                       r"--max-num-seqs or -c/--ctx-size.*--kv-cache-dtype"):
+        check_kv_fits(hp, 32, 32768, torch.bfloat16, ("bf16", "bf16"), size - 1)
+    # q8_0 rows take about half: the same memory then holds it
+    check_kv_fits(hp, 32, 32768, torch.bfloat16, ("q8_0", "q8_0"), size // 2 + size // 16)
 
 
 def test_config_types_per_k_and_v() -> None:

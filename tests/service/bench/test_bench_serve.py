@@ -90,3 +90,20 @@ def test_figures_are_positive_and_beside_the_engine(report: tuple[str, dict[str,
 def test_a_missing_grpc_target_is_refused_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench-serve", "--device", "cpu", "--url", "http://127.0.0.1:9"]) == 2
     assert "--grpc-target" in capsys.readouterr().err
+
+
+def test_the_default_sequence_count_grows_to_every_stream_and_joining_request(capsys: pytest.CaptureFixture[str]) \
+        -> None:
+    from service.cli import parse
+    from service.commands.bench_serve import check_batches, fit_sequences
+    from service.options import engine_config
+
+    args = parse(["bench-serve", "--device", "cpu", "--clients", "1,8,32", "--join", "4"])
+    fit_sequences(args)
+    assert args.max_num_seqs == 36 and "--max-num-seqs 36" in capsys.readouterr().err
+    check_batches(args, engine_config(args))  # no longer refused
+    given = parse(["bench-serve", "--device", "cpu", "--clients", "32", "--join", "4", "--max-num-seqs", "16"])
+    fit_sequences(given)
+    assert given.max_num_seqs == 16
+    with pytest.raises(ValueError, match="need --max-num-seqs 36"):
+        check_batches(given, engine_config(given))
