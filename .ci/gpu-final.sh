@@ -13,9 +13,10 @@
 #      trip and a streamed miss's cost (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over
 #      quantized KV caches, captured and eager (.ci/gpu-qkv-probe.py), where the lease has time left.
 #   5: throughput as served: batched decode beside llama-batched-bench, moecache bench-serve over HTTP and gRPC.
-#   6: issue 19 (STAGE_S seconds, default 400): experts on disk (--ssd-moe, a host-RAM tier of 25% of the experts)
-#      against every expert in RAM, the same 25% cache, stream, batch 1; then decode at a 32k-token context with the
-#      KV cache in each of KV_TYPES (default bf16 q8_0 q4_0; experts resident), as long as the stage's time lasts.
+#   6: issue 19 (STAGE_S seconds, default 400): the disk's read rate, then experts on disk (--ssd-moe, a host-RAM
+#      tier of 25% of the experts) against every expert in RAM, the same 25% cache, stream, batch 1; then decode at a
+#      32k-token context (one sequence) with the KV cache in each of KV_TYPES (default bf16 q8_0 q4_0; experts
+#      resident), as long as the stage's time lasts.
 # Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | ... | 6
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,9 @@ PROFILE=/tmp/uniform-profile.json  # every expert once: a 100% cache starts full
 Profile({l: {e: 1 for e in range(128)} for l in range(48)}).save('$PROFILE')"
 pytest_gpu() {  # NAME SECONDS FILES... [-k EXPR]: gpu-marked tests, the whole log in $LOGS/NAME.log
   local name=$1 seconds=$2; shift 2
-  PYTHONPATH=/tmp/site:$PWD timeout "$seconds" python3 -m pytest -q -m gpu -o cache_dir=/tmp/pytest-cache -rf "$@" 2>&1 \
+  # NOTE: SIGINT at the limit: pytest stops and still prints which tests failed (a plain kill printed nothing, lease
+  # of 2026-12-06 15:48)
+  PYTHONPATH=/tmp/site:$PWD timeout -s INT -k 30 "$seconds" python3 -m pytest -q -m gpu -o cache_dir=/tmp/pytest-cache -rf "$@" 2>&1 \
     | tee "$LOGS/$name.log" | tail -8
   return "${PIPESTATUS[0]}"
 }
@@ -37,8 +40,9 @@ case "$1" in
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   # NOTE: the build first, beside nothing that needs cores: beside eight pytest workers it reached 202 of 366 steps in
   # 470 s and never finished in that lease (2026-12-03, lease 15); meanwhile the models are written (the GPU draws
-  # them: one core each) and the tests wait. SYNTH: the presets written besides Qwen3-30B-A3B's shapes.
-  for p in qwen3moe-30b-a3b ${SYNTH-gemma4-26b-a4b gpt-oss-20b}; do
+  # them: one core each) and the tests wait. SYNTH: the presets written besides Qwen3-30B-A3B's shapes (default none:
+  # beside three models being written the build was still at 131 of 366 steps after 300 s, H100, 2026-12-06).
+  for p in qwen3moe-30b-a3b ${SYNTH:-}; do
     [ -f /tmp/$p.gguf ] || PYTHONPATH=/tmp/site:$PWD timeout 240 python3 -m service.cli synth /tmp/$p.gguf \
       --preset $p --device cuda > "$LOGS/synth-$p.log" 2>&1 &
   done
@@ -102,7 +106,7 @@ case "$1" in
     --clients 1,8,32 --gen-len 128 --join 4 --json "$LOGS/serve.json" 2>&1 | tee "$LOGS/serve.log" | grep -E "^\|"
   ;;
 6)
-  # issue 19. (a) the same 25% VRAM cache (lru, stream, batch 1, synthetic qwen3 routing as the headline rows),
+  # issue 19. (a) the same 25% VRAM cache (decay, stream, batch 1, synthetic qwen3 routing as the headline rows),
   # every expert pinned in RAM (--n-cpu-moe 48) against every expert on disk behind a RAM tier of 25% of the
   # experts' bytes (--ssd-moe --host-cache-mib); (b) decode at a 32k-token context, KV bf16 / q8_0 / q4_0.
   # (c) the KLD of q8_0 and q4_0 KV against bf16 at a long context does not fit in this stage's ~240 s (a
@@ -116,9 +120,24 @@ print(sum(t.num_bytes for t in GGUFFile('$M') if '_exps' in t.name) // 4 >> 20)"
   ssd_bench() {  # NAME LIMIT ARGS...
     local name=$1 seconds=$2; shift 2
     PYTHONPATH=/tmp/site:$PWD timeout "$seconds" python3 -m service.cli bench -m $M --routing synthetic:qwen3 \
-      --budget-frac 0.25 --policy lru --miss-mode stream --batches 1 --prompt-len 64 --warmup-gen-len 100 \
+      --budget-frac 0.25 --policy decay --miss-mode stream --batches 1 --prompt-len 64 --warmup-gen-len 100 \
       --gen-len 64 --repeats 1 --json "$LOGS/$name.json" "$@" 2>&1 | tee -a "$LOGS/ssd.log" | grep -E "^\||rror"
   }
+  # the disk's own read rate, the bound of the tier's misses: one reader of 16 MiB blocks, then 16 threads reading
+  # expert-sized blocks at random offsets, both O_DIRECT (the page cache out of the way)
+  echo "== the disk: $(timeout 30 dd if=$M of=/dev/null bs=16M iflag=direct count=256 2>&1 | tail -1)" | tee -a "$LOGS/ssd.log"
+  py - "$M" <<'PY' 2>&1 | tee -a "$LOGS/ssd.log"
+import mmap, os, random, sys, threading, time
+path, size = sys.argv[1], os.path.getsize(sys.argv[1])
+fd, block, done = os.open(path, os.O_RDONLY | os.O_DIRECT), 2654208 // 4096 * 4096, []
+def reader() -> None:
+    buf = mmap.mmap(-1, block)
+    done.append(sum(os.preadv(fd, [buf], random.randrange(0, size - block) // 4096 * 4096) for _ in range(48)))
+threads = [threading.Thread(target=reader) for _ in range(16)]
+start = time.perf_counter(); [t.start() for t in threads]; [t.join() for t in threads]
+print(f"== the disk: 16 threads x 48 random reads of {block / 2**20:.2f} MiB, O_DIRECT: "
+      f"{sum(done) / (time.perf_counter() - start) / 1e9:.2f} GB/s")
+PY
   ssd_bench ssd-in-ram 70 --n-cpu-moe 48
   # NOTE: the file is in the page cache since synth (and the run above): its pages are dropped first with
   # posix_fadvise(POSIX_FADV_DONTNEED) so the tier's first reads come from the NVMe; a RAM-tier miss read again

@@ -153,12 +153,19 @@ class SchedulerConfig:
         "flag": "--max-num-seqs", "help": "sequences decoded together"})
     max_num_batched_tokens: int = field(default=512, metadata={  # decode tokens + prefill chunks
         "flag": "--max-batch-tokens", "help": "tokens in one forward pass"})
+    # NOTE: a step that prefills P tokens beside running decodes delays their next tokens by P tokens' prefill:
+    # at pp512's 4,197 tok/s (Qwen3-30B-A3B shapes, H100, docs/benchmarks.md) 256 tokens are 61 ms, 15 decode steps
+    prefill_while_decoding: int = field(default=128, metadata={
+        "flag": "--prefill-while-decoding", "metavar": "TOKENS", "help": "prompt tokens a step prefills beside "
+        "running decodes, which wait for it (0: up to --max-batch-tokens)"})
     max_model_len: int = 4096  # positions of one KV slot
     max_waiting: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
+        if self.prefill_while_decoding < 0:
+            raise ValueError("prefill_while_decoding must be >= 0")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
 

@@ -4,8 +4,9 @@ with which tokens of each.
 A request is added (waiting), admitted into a KV slot (running), and finished or aborted, which frees its
 slot at once; the next `schedule()` reports it in `finished_ids`. Decoding sequences go first (one token
 each) so running streams never stall behind a long prompt; the rest of the step's token budget prefills
-waiting prompts in chunks. The scheduler decides when a sampled token ends a sequence (a stop token, its
-token limit, the context); the engine applies it.
+waiting prompts in chunks, at most `prefill_while_decoding` tokens while sequences decode (a step's prefill
+delays every running stream's next token). The scheduler decides when a sampled token ends a sequence (a stop
+token, its token limit, the context); the engine applies it.
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ class Scheduler:
         for seq in decoding:  # 1. every decoding sequence gets its next token
             seqs.append(self._chunk(seq, 1))
             budget -= 1
+        if decoding and self.config.prefill_while_decoding:  # the decodes wait for the prompts beside them
+            budget = min(budget, self.config.prefill_while_decoding)
         for seq in self.running:  # 2. prompts already admitted continue prefilling
             if budget > 0 and seq not in decoding:
                 seqs.append(self._chunk(seq, budget))

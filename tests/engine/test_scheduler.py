@@ -96,3 +96,22 @@ def test_a_running_id_is_refused() -> None:
     s.finish("a")
     s.add(req("a", 2))  # an ended id may come back
     assert s.is_waiting("a") and not s.is_waiting("zzz")
+
+
+def test_prompts_beside_running_decodes_take_at_most_their_share_of_a_step() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_while_decoding=6))
+    s.add(req("a", 3))
+    assert run_step(s) == {"a": (0, 3, True)}  # nothing decodes yet: the whole budget
+    s.add(req("b", 20))
+    s.add(req("c", 4))
+    assert run_step(s) == {"a": (3, 1, True), "b": (0, 6, False)}
+    assert run_step(s) == {"a": (4, 1, True), "b": (6, 6, False)}
+    s.abort("a")
+    assert run_step(s) == {"b": (12, 8, True), "c": (0, 4, True)}  # no decode waits: up to the step's budget
+    unlimited = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_while_decoding=0))
+    unlimited.add(req("a", 3))
+    run_step(unlimited)
+    unlimited.add(req("b", 20))
+    assert run_step(unlimited) == {"a": (3, 1, True), "b": (0, 20, True)}
+    with pytest.raises(ValueError, match="prefill_while_decoding"):
+        SchedulerConfig(prefill_while_decoding=-1)

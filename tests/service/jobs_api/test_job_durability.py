@@ -95,7 +95,7 @@ async def run_50_jobs_on_two_servers(model: Path, store_url: str, processes: lis
     a.wait_ready()
     b.wait_ready()
     async with aiohttp.ClientSession() as http:
-        ids = [await submit(http, (a, b)[i % 2], greedy(40, prompt=f"job {i}")) for i in range(50)]
+        ids = [await submit(http, (a, b)[i % 2], greedy(JOB_TOKENS, prompt=f"job {i}")) for i in range(50)]
         with open_store(store_url) as store:
             await poll(lambda: _a_is_midway(store, a.worker_id), timeout=60, every=0.01)
         a.kill()
@@ -106,11 +106,17 @@ async def run_50_jobs_on_two_servers(model: Path, store_url: str, processes: lis
         assert all(job is not None and job.status == "succeeded" for job in jobs), [j and j.status for j in jobs]
         finished = [job for job in jobs if job is not None]
         for job in finished:
-            assert job.progress_tokens == 40 and job.result is not None  # a second run would have appended more
-            assert job.result["usage"]["completion_tokens"] == 40 and job.result["choices"][0]["text"] == job.text
+            assert job.progress_tokens == JOB_TOKENS and job.result is not None  # a second run would have appended more
+            assert job.result["usage"]["completion_tokens"] == JOB_TOKENS
+            assert job.result["choices"][0]["text"] == job.text
             assert_chunks_match(store, job)
     assert {job.worker_id for job in finished} == {a.worker_id, b.worker_id}
     assert any(job.attempts == 2 and job.worker_id == b.worker_id for job in finished)  # reclaimed from a
+
+
+# NOTE: the kill comes a poll after the store showed a job of the first server at most 16 tokens in: the other 48
+# tokens are its margin (with 40 a loaded machine once finished every such job in between, and none was reclaimed)
+JOB_TOKENS = 64
 
 
 async def _a_is_midway(store: JobStore, worker_id: str) -> bool:
