@@ -36,7 +36,7 @@ from ops.expert_math import ExpertMath
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows, check_vector, interpreting
 from ops.triton.dequant import _byte, _f16_at, _float, _scale_min_k4
 from ops.triton.gate_up import ACTIVATIONS, _activation
-from ops.triton.qdot import KERNEL_TYPES, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _e2m1_times, _e8m0_half, has_kernel
+from ops.triton.qdot import KERNEL_TYPES, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _e2m1, _e8m0_scale, has_kernel
 
 GROUP = 16  # weights sharing one scale, in every format of KERNEL_TYPES
 SUM_COLS = 256  # columns per program of the per-token sum
@@ -118,7 +118,7 @@ def _mxfp4(base, rows, g, c):
     """MXFP4 (blocks of 32: e8m0 e, 16 bytes of e2m1 codes): weight 16h + c is nibble h of byte c.
     w = 2**(e - 128) * doubled e2m1, exact in bf16 (codes of 4 significant bits)."""
     blk = rows + (g // 2) * 17
-    return _e2m1_times(_byte(base + (blk + 1 + c)) >> 4 * (g % 2), 0x4B000000, _e8m0_half(_byte(base + blk)))
+    return _e2m1(_byte(base + (blk + 1 + c)) >> 4 * (g % 2), 0) * _e8m0_scale(_byte(base + blk))
 
 
 @triton.jit

@@ -10,7 +10,8 @@ multiplied by 2**-e beforehand (`ops.triton.prepare`), so the product is code * 
 offset (the min of Q4_K/Q5_K, the code bias 32 of Q6_K, 128 of Q8_0 and 8 of Q4_0) is applied per sub-block
 against the sum of its activations, also prepared. Per weight that is one or two bitwise ops and
 two FMAs (one more per extra slot); everything is elementwise in the weight tile's register layout,
-and the sums over a row happen once, at the end.
+and the sums over a row happen once, at the end. MXFP4's e2m1 codes (signed, no offset) are instead placed
+in an fp16 by three integer ops (`_e2m1`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ Q8_0 = tl.constexpr(int(QType.Q8_0))
 Q4_0 = tl.constexpr(int(QType.Q4_0))
 MXFP4 = tl.constexpr(int(QType.MXFP4))
 KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)
-# doubled e2m1 magnitudes 0, 1, 2, 3, 4, 6, 8, 12 as the nibbles of one int32 (0xC8643210, read as signed)
-E2M1_NIBBLES = tl.constexpr(0xC8643210 - (1 << 32))
 GROUP = 16  # activation sums are kept per 16 columns (the smallest sub-block, Q6_K's)
 MAGIC = 0x4B000000  # float32 bits of 2**23, passed to the kernels at run time (see _code_times)
 
@@ -407,28 +406,29 @@ def _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
 @triton.jit
 def _mxfp4_load(start, c, j):
     """Code bytes `[BR, NB, 16]` (byte j of block c: weights 32c + j, low nibble, and 32c + 16 + j) and the block's
-    scale 2**(e - 128) (subnormal below e = 2, as ggml's e8m0 half), the same along j."""
+    scale as `_e8m0_scale` gives it, the same along j."""
     codes = tl.load(start[:, None, None] + 17 * c + 1 + j).to(tl.int32)
-    return codes, _e8m0_half(tl.load(start[:, None, None] + 17 * c + 0 * j).to(tl.int32))
+    return codes, _e8m0_scale(tl.load(start[:, None, None] + 17 * c + 0 * j).to(tl.int32))
 
 
 @triton.jit
-def _e8m0_half(e):
-    """An e8m0 scale byte (int32) -> 2**(e - 128), subnormal below e = 2 (ggml's e8m0 half)."""
-    return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+def _e8m0_scale(e):
+    """An e8m0 scale byte (int32) -> 2**(e - 113): the block's 2**(e - 127) times the 2**14 that `_e2m1` leaves out
+    (a normal float for every e up to 240; ggml's e8m0 half, 2**(e - 128), goes with its doubled codes)."""
+    return ((e + 14) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _e2m1_times(code, magic, s):
-    """The e2m1 code in the low nibble of `code` (doubled: 0, 1, 2, 3, 4, 6, 8, 12, sign in bit 3) times s. The
-    magnitude is a nibble of E2M1_NIBBLES, made a float by the magic-number trick; the sign flips the product's."""
-    magnitude = (E2M1_NIBBLES >> ((code & 7) << 2)) & 15
-    value = _code_times(magnitude, magic, s, -8388608.0 * s)
-    return (value.to(tl.int32, bitcast=True) ^ ((code & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1(code, SHIFT: tl.constexpr):
+    """The e2m1 code at bit SHIFT of int32 `code` times 2**-14, exact: its two exponent bits and its mantissa bit
+    become an fp16's lowest exponent bits and top mantissa bit (an fp16 subnormal holds the code 0.5), its sign bit the
+    fp16's sign; three integer ops and the fp16's conversion, no table."""
+    half = ((code << (9 - SHIFT)) & 0x0E00) | ((code << (12 - SHIFT)) & 0x8000)
+    return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
+def _mxfp4_rows(wa, wb, x0, x1, x2, x3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
                 NB: tl.constexpr):
     """MXFP4 rows; wa, wb: byte pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 bytes]`; no code offset."""
     j = tl.arange(0, 16)[None, None, :]
@@ -444,9 +444,9 @@ def _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K: tl.constexpr, BT: tl.constexpr
             sa, sb = tl.where(valid, sa, 0.0), tl.where(valid, sb, 0.0)
         for n in tl.static_range(2):
             v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * n + j, BT)
-            a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, _e2m1_times(qa >> (4 * n), magic, sa), v0, v1, v2, v3, BT)
+            a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, _e2m1(qa, 4 * n) * sa, v0, v1, v2, v3, BT)
             if TWO:
-                b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, _e2m1_times(qb >> (4 * n), magic, sb), v0, v1, v2, v3, BT)
+                b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, _e2m1(qb, 4 * n) * sb, v0, v1, v2, v3, BT)
     return _total(a0), _total(a1), _total(a2), _total(a3), _total(b0), _total(b1), _total(b2), _total(b3)
 
 
@@ -475,7 +475,7 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     elif FMT == MXFP4:
         wa = addr_a.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
-        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, magic, K, BT, TWO, BLOCKS)
+        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, K, BT, TWO, BLOCKS)
     else:
         tl.static_assert(FMT == Q8_0 or FMT == Q4_0, "rows_dot: no kernel for this format")
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)

@@ -1,0 +1,87 @@
+"""The decode expert kernels' inner loops as the H100/H200 would run them, counted on a machine without a GPU: each
+format's gate/up kernel (`ops.triton.gate_up`, both matrices, batch 1) compiled for sm90 as the engine launches it (16
+rows, the launcher's warps, `qdot.step_blocks`' blocks a step), disassembled with the nvdisasm Triton ships, and each
+loop's instructions counted by kind, with the instructions per weight of the loop that reads the weights (the loop
+with the most global loads). A static count: what a change to `ops/triton/qdot.py` costs or saves per weight before a
+lease times it.
+Usage: python3 .ci/sass-loops.py [FORMAT ...]   (default: every format with a decode kernel; needs Triton's CUDA backend)"""
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ops.quants import QType
+from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel, warps_for
+from ops.triton.qdot import KERNEL_TYPES, step_blocks
+
+NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+ROWS = 16
+BLOCKS = int(os.environ.get("BLOCKS", "0"))  # blocks of 32 a step of the 32-block formats (0: the default)
+# each format on a preset's shape: its hidden size and expert math (the gpt-oss one with biases)
+SHAPES = {QType.Q4_K: (2048, "silu"), QType.Q5_K: (2048, "silu"), QType.Q6_K: (2048, "silu"),
+          QType.Q8_0: (2048, "silu"), QType.Q4_0: (2816, "gelu"), QType.MXFP4: (2880, "swiglu_oai")}
+INT64 = {"token_ids", "expert_ids", "gate_ptrs", "up_ptrs", "down_ptrs", "host_gate_ptrs", "host_up_ptrs",
+         "host_down_ptrs"}
+FLOAT32 = {"x_gate", "x_up", "x_sums", "h", "hs", "gate_biases", "up_biases"}
+TYPES = {"fill_flags": "*i8", "x": "*bf16", "alpha": "fp32", "limit": "fp32"}
+
+
+def sass(qtype: QType) -> tuple[str, int]:
+    hidden, activation = SHAPES[qtype]
+    constexprs = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BT=1, BR=ROWS,
+                      WINDOW=64, GROUP=16, FILL=True, COPY=1024, ACT=ACTIVATIONS[activation],
+                      BIAS=activation == "swiglu_oai", BLOCKS=step_blocks(hidden, BLOCKS))
+    signature = {name: "constexpr" if name in constexprs else TYPES.get(name) or
+                 ("*i64" if name in INT64 else "*fp32" if name in FLOAT32 else "i32")
+                 for name in _gate_up_kernel.arg_names}
+    warps = warps_for(ROWS, qtype)
+    source = ASTSource(fn=_gate_up_kernel, signature=signature,
+                       constexprs={(_gate_up_kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run([NVDISASM, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    weights = 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32 * step_blocks(hidden, BLOCKS)
+    return text, ROWS * weights * 2 // (32 * warps)  # weights a thread reads a step, both matrices
+
+
+def loops(text: str) -> list[list[str]]:
+    """The instructions of each innermost loop (a backward branch's span holding no other)."""
+    code, labels, pending = [], {}, []
+    for line in text.splitlines():
+        if label := re.match(r"\s*(\.L_x_\d+):", line):
+            pending.append(label.group(1))
+        elif op := re.search(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line):
+            address = int(op.group(1), 16)
+            labels |= dict.fromkeys(pending, address)
+            pending = []
+            code.append((address, op.group(2), op.group(3)))
+    spans = []
+    for address, name, rest in code:
+        target = re.search(r"(\.L_x_\d+)", rest)
+        if name.startswith("BRA") and target and labels.get(target.group(1), address) < address:
+            spans.append((labels[target.group(1)], address))
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    return [[n for x, n, _ in code if a <= x <= b] for a, b in inner]
+
+
+def main() -> None:
+    for qtype in [QType[n] for n in sys.argv[1:]] or KERNEL_TYPES:
+        text, per_thread = sass(qtype)
+        spans = loops(text)
+        weights_loop = max(spans, key=lambda s: sum(n.startswith("LDG") for n in s))
+        kinds = collections.Counter(n.split(".")[0] for n in weights_loop)
+        print(f"{qtype.name}: {len(weights_loop)} instructions a step for {per_thread} weights a thread: "
+              f"{len(weights_loop) / per_thread:.1f} a weight; {dict(kinds.most_common(10))}")
+
+
+if __name__ == "__main__":
+    main()
