@@ -4,7 +4,8 @@ rows, the launcher's warps, `qdot.step_blocks`' blocks a step), disassembled wit
 loop's instructions counted by kind, with the instructions per weight of the loop that reads the weights (the loop
 with the most global loads). A static count: what a change to `ops/triton/qdot.py` costs or saves per weight before a
 lease times it.
-Usage: python3 .ci/sass-loops.py [FORMAT ...]   (default: every format with a decode kernel; needs Triton's CUDA backend)"""
+BLOCKS=N sets the 32-block formats' blocks a step. Needs Triton's CUDA backend (not its interpreter).
+Usage: [BLOCKS=N] python3 .ci/sass-loops.py [FORMAT ...]   (default: every format with a decode kernel)"""
 
 import collections
 import os
