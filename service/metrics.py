@@ -87,6 +87,8 @@ class EngineCollector(Collector):
         yield _counter("moecache_expert_ram_tier_misses", "Experts of layers on disk read from the GGUF file into the "
                        "host-RAM tier.", s, cache.ram_misses)
         yield _counter("moecache_expert_disk_reads", "Read calls of experts from the GGUF file.", s, cache.disk_reads)
+        yield _counter("moecache_expert_ram_tier_kept", "Experts the device cache evicted, copied back into the "
+                       "host-RAM tier.", s, cache.ram_kept)
         yield _counter("moecache_expert_disk_read_bytes", "Expert bytes read from the GGUF file.", s,
                        cache.disk_read_bytes)
         yield _gauge("moecache_expert_cache_bytes", "Device memory of the expert cache.", s, cache.cache_bytes)

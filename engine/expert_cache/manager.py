@@ -8,7 +8,7 @@ just before a step is launched, `start_uploads` just after.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,11 +121,21 @@ class CacheManager:
             self.published[rows[landed[:, 0]], landed[:, 1]] = landed[:, 2]
             if len(landed):
                 self.stats.record_copies(len(landed), 0, 0)
+                self._let_go(gid, landed[:, 0], landed[:, 1])
             on_cpu = None
             if upload_cpu_misses:
                 at, pair = np.nonzero(record.outcome[rows] == ON_CPU)
                 on_cpu = np.unique(np.stack([at, ids[at, pair]], axis=1), axis=0).astype(np.int64)
             self._apply(gid, policy.observe(ids, landed, on_cpu))
+
+    def _let_go(self, gid: int, at: np.ndarray, experts: np.ndarray) -> None:
+        """Experts the cache now holds (`at`: the group's layer index): the RAM tier lets disk layers' go first."""
+        if self.tier is None:
+            return
+        layers = self.groups[gid].layers
+        for i in np.unique(at).tolist():
+            if self._on_disk(layers[i]):
+                self.tier.let_go(layers[i], experts[at == i].tolist())
 
     def reserve(self, num_tokens: int) -> None:
         """Before each decode step: a step with more tokens than the last (a prompt joining) gets offers for
@@ -190,6 +200,7 @@ class CacheManager:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.copies.copy(list(zip(expert_parts(pool, p.slot), self.tier.expert(p.layer, p.expert)))).wait()
+        self.tier.let_go(p.layer, [p.expert])
 
     def wait_uploads(self) -> None:
         for upload in self._uploads:
@@ -199,6 +210,7 @@ class CacheManager:
     def _apply(self, gid: int, decision: Decision) -> None:
         if not decision:
             return
+        self._keep_in_ram(gid, decision.evictions)
         for (layer, expert), slot in decision.evictions:
             # NOTE: a slot is unpublished before anything else is copied into it
             row = self.rows[layer]
@@ -217,6 +229,21 @@ class CacheManager:
         self._offer([(gid, ring, slot) for ring, slot in decision.offers if (gid, slot) not in busy])
         self._queued += [(gid, p) for p in decision.uploads]
         self.stats.record_copies(0, len(decision.evictions), 0)
+
+    def _keep_in_ram(self, gid: int, evictions: Sequence[tuple[tuple[int, int], int]]) -> None:
+        """Evicted experts of layers on disk, as their slots still hold them, go back into the host-RAM tier (the
+        tier exclusive of the cache). NOTE: decided while a step runs, before any offer or upload reuses the slots;
+        the device is waited for first, as it may read the tier's slots (streamed misses of the running step)."""
+        by_layer: dict[int, dict[int, Sequence[torch.Tensor]]] = {}
+        for (layer, expert), slot in evictions:
+            if self.tier is not None and self._on_disk(layer) and self.published[self.rows[layer], expert] == slot:
+                by_layer.setdefault(layer, {})[expert] = expert_parts(self.pools[gid], slot)
+        if not by_layer:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for layer, evicted in by_layer.items():
+            self.tier.keep(layer, evicted)  # type: ignore[union-attr]
 
     def _offer(self, offers: list[tuple[int, int, int]]) -> None:
         """(group, ring, slot) onto the device's rings, for the device to land misses in."""

@@ -7,6 +7,9 @@ the map's pages of a disk layer are never touched, so the process holds at most 
 
 In llama.cpp's spirit (`--ssd-streaming`): only the experts a step selects are read.
 
+The tier is exclusive of the device cache: an expert the cache evicts is copied back into the tier (`keep`), one
+that lands in the cache is the tier's first to go (`let_go`), so that the two hold different experts.
+
 `SlotLru` is the torch-free bookkeeping; `DiskReader` the reads; `RamTier` the pool, its banks and the
 expert FFN over them (`ffn`), the one seam the dispatcher and the CPU tasks call.
 """
@@ -56,6 +59,12 @@ class SlotLru:
             self._slot.move_to_end(key)
             slots.append(slot)
         return slots, missed
+
+    def demote(self, keys: Sequence[Hashable]) -> None:
+        """Resident keys become the first to be evicted."""
+        for key in keys:
+            if key in self._slot:
+                self._slot.move_to_end(key, last=False)
 
     def forget(self, keys: Sequence[Hashable]) -> None:
         """Free the slots of keys whose bytes never arrived (a failed read)."""
@@ -232,6 +241,22 @@ class RamTier:
         read_bytes = len(missed) * self.layouts[layer].expert_bytes
         self.stats.record_ram_tier(len(experts) - len(missed), len(missed), reads, read_bytes)
         return slots
+
+    def keep(self, layer: int, evicted: Mapping[int, Sequence[torch.Tensor]]) -> None:
+        """Experts of the layer the device cache evicted, each with its gate, up and down bytes there: they become the
+        tier's most recent, copied into a slot where the tier no longer held them, so that the tier holds what the
+        device cache does not (exclusive of it: `.ci/ram-tier-replay.py`). NOTE: nothing may read the tier's slots
+        meanwhile (the caller waits for the device first)."""
+        _, missed = self.lru.place([(layer, e) for e in evicted])
+        bank = self.banks[layer]
+        for key, slot in missed:
+            for into, part in zip((bank.gate[slot], bank.up[slot], bank.down[slot]), evicted[key[1]]):  # type: ignore[index]
+                into.copy_(part.reshape(into.shape))
+        self.stats.record_ram_tier_kept(len(missed))
+
+    def let_go(self, layer: int, experts: Sequence[int]) -> None:
+        """Experts the device cache now holds: the tier evicts them first."""
+        self.lru.demote([(layer, e) for e in experts])
 
     def bank(self, layer: int, experts: Sequence[int], slots: Sequence[int]) -> ExpertWeights:
         """The pool as the layer's bank, with the layer's math at the slots holding `experts`."""

@@ -56,6 +56,7 @@ class CacheStatsSnapshot:
     ram_misses: int = 0  # experts read from the GGUF file into a RAM slot
     disk_reads: int = 0  # read calls (preadv) those took
     disk_read_bytes: int = 0
+    ram_kept: int = 0  # experts the device cache evicted, copied back into the RAM tier
 
     def _select(self, batch: str | None) -> list[GroupStats]:
         if batch is not None and batch not in BATCH_CLASSES:
@@ -114,6 +115,11 @@ class CacheStats:
         with self._lock:
             self._totals.update(ram_hits=hits, ram_misses=misses, disk_reads=reads, disk_read_bytes=read_bytes)
 
+    def record_ram_tier_kept(self, experts: int) -> None:
+        """Experts the device cache evicted and the host-RAM tier took back (copied from their slots)."""
+        with self._lock:
+            self._totals.update(ram_kept=experts)
+
     def snapshot(self) -> CacheStatsSnapshot:
         with self._lock:
             keys = sorted(
@@ -137,6 +143,7 @@ class CacheStats:
             ram_misses=totals.get("ram_misses", 0),
             disk_reads=totals.get("disk_reads", 0),
             disk_read_bytes=totals.get("disk_read_bytes", 0),
+            ram_kept=totals.get("ram_kept", 0),
         )
 
     def summary_lines(self) -> list[str]:
@@ -149,4 +156,5 @@ class CacheStats:
             f"{snap.misses(b)} misses, hit ratio {snap.hit_ratio(b):.1%}"
             for b in BATCH_CLASSES
         ] + ([f"host-RAM tier: {snap.ram_hits} hits, {snap.ram_misses} misses, {snap.disk_reads} disk reads, "
-              f"{snap.disk_read_bytes / 2**20:.1f} MiB read"] if snap.ram_hits + snap.ram_misses else [])
+              f"{snap.disk_read_bytes / 2**20:.1f} MiB read, {snap.ram_kept} taken back from the device cache"]
+             if snap.ram_hits + snap.ram_misses else [])

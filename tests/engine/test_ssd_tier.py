@@ -61,6 +61,25 @@ def test_experts_on_disk_give_the_same_tokens_as_in_ram(small_moe_gguf: Path, ca
     assert snap.disk_reads == 3 * snap.ram_misses  # gate, up, down: three ranges of three tensors
 
 
+def test_the_tier_takes_back_what_the_device_cache_evicts_with_the_files_bytes(small_moe_gguf: Path) -> None:
+    """The tier exclusive of the cache: experts the cache evicts are copied back into the tier from their slots, and
+    every expert the tier holds afterwards (read from disk or taken back) is byte for byte the file's."""
+    got, engine = greedy(small_moe_gguf, CacheConfig(ssd_moe=True, host_cache_mib=2, budget_mib=1, miss_mode="stream",
+                                                     policy="lru"))
+    snap, tier = engine.cache.snapshot(), engine.cache.tier
+    assert tier is not None and snap.evictions > 0 and snap.ram_kept > 0
+    mapped = engine.store.mapped
+    for (layer, e), slot in tier.lru.residents().items():
+        bank = tier.banks[layer]  # type: ignore[index]
+        for part, t in zip((bank.gate, bank.up, bank.down), (mapped[layer].gate, mapped[layer].up,  # type: ignore[index]
+                                                             mapped[layer].down)):  # type: ignore[index]
+            assert torch.equal(part[slot].reshape(-1), t[e].reshape(-1)), (layer, e)
+    engine.close()
+    expected, reference = greedy(small_moe_gguf, CacheConfig())
+    reference.close()
+    assert got == expected
+
+
 def test_a_disk_layers_misses_are_read_once_and_the_host_table_points_at_their_ram_slots(
         small_moe_gguf: Path) -> None:
     """What a CUDA decode step does before a disk layer's kernels (`read_disk_misses`), run on the CPU device's

@@ -145,3 +145,11 @@ def test_disk_layers_are_host_layers_and_the_rest_stay_resident() -> None:
     every = choose_placement(layer_bytes, CacheConfig(ssd_moe=True, n_cpu_moe=1), free_bytes=None)
     assert every.disk_layers == every.host_layers == (0, 1, 2, 3) and "--n-cpu-moe 1" in every.reason
     assert choose_placement(layer_bytes, CacheConfig(), free_bytes=None).disk_layers == ()
+
+
+def test_demoted_keys_are_evicted_first() -> None:
+    lru = SlotLru(3)
+    lru.place(["a", "b", "c"])
+    lru.demote(["c", "missing"])  # c: the most recent, now the first to go; a key not held is ignored
+    _, missed = lru.place(["d"])
+    assert missed == [("d", 2)] and set(lru.residents()) == {"a", "b", "d"}
