@@ -19,39 +19,50 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ops.quants import QType
+from ops.triton.down import _down_kernel
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel, warps_for
 from ops.triton.qdot import KERNEL_TYPES, step_blocks
 
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-ROWS = 16
+ROWS, DOWN_ROWS = 16, 32
 BLOCKS = int(os.environ.get("BLOCKS", "0"))  # blocks of 32 a step of the 32-block formats (0: the default)
-# each format on a preset's shape: its hidden size and expert math (the gpt-oss one with biases)
-SHAPES = {QType.Q4_K: (2048, "silu"), QType.Q5_K: (2048, "silu"), QType.Q6_K: (2048, "silu"),
-          QType.Q8_0: (2048, "silu"), QType.Q4_0: (2816, "gelu"), QType.MXFP4: (2880, "swiglu_oai")}
+# each format on a preset's shape: hidden and ff sizes, expert math (the gpt-oss one with biases)
+SHAPES = {QType.Q4_K: (2048, 768, "silu"), QType.Q5_K: (2048, 768, "silu"), QType.Q6_K: (2048, 768, "silu"),
+          QType.Q8_0: (2048, 1408, "silu"), QType.Q4_0: (2816, 704, "gelu"), QType.MXFP4: (2880, 2880, "swiglu_oai")}
 INT64 = {"token_ids", "expert_ids", "gate_ptrs", "up_ptrs", "down_ptrs", "host_gate_ptrs", "host_up_ptrs",
          "host_down_ptrs"}
-FLOAT32 = {"x_gate", "x_up", "x_sums", "h", "hs", "gate_biases", "up_biases"}
+FLOAT32 = {"x_gate", "x_up", "x_sums", "h", "hs", "gate_biases", "up_biases", "weights", "y", "down_biases"}
 TYPES = {"fill_flags": "*i8", "x": "*bf16", "alpha": "fp32", "limit": "fp32"}
 
 
-def sass(qtype: QType) -> tuple[str, int]:
-    hidden, activation = SHAPES[qtype]
-    constexprs = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BT=1, BR=ROWS,
-                      WINDOW=64, GROUP=16, FILL=True, COPY=1024, ACT=ACTIVATIONS[activation],
-                      BIAS=activation == "swiglu_oai", BLOCKS=step_blocks(hidden, BLOCKS))
+def compile_sass(kernel: triton.JITFunction, constexprs: dict, warps: int) -> str:
     signature = {name: "constexpr" if name in constexprs else TYPES.get(name) or
-                 ("*i64" if name in INT64 else "*fp32" if name in FLOAT32 else "i32")
-                 for name in _gate_up_kernel.arg_names}
-    warps = warps_for(ROWS, qtype)
-    source = ASTSource(fn=_gate_up_kernel, signature=signature,
-                       constexprs={(_gate_up_kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+                 ("*i64" if name in INT64 else "*fp32" if name in FLOAT32 else "i32") for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        text = subprocess.run([NVDISASM, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
-    weights = 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32 * step_blocks(hidden, BLOCKS)
-    return text, ROWS * weights * 2 // (32 * warps)  # weights a thread reads a step, both matrices
+        return subprocess.run([NVDISASM, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def step_weights(qtype: QType, cols: int) -> int:
+    return 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32 * step_blocks(cols, BLOCKS)
+
+
+def kernels(qtype: QType) -> list[tuple[str, str, int]]:
+    """(kernel, its SASS, the weights a thread reads a step)."""
+    hidden, ff, activation = SHAPES[qtype]
+    common = dict(WINDOW=64, FILL=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1)
+    gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BR=ROWS, GROUP=16,
+                   ACT=ACTIVATIONS[activation], BLOCKS=step_blocks(hidden, BLOCKS), **common)
+    down = dict(DOWN_FMT=int(qtype), FF=ff, BR=DOWN_ROWS, BLOCKS=step_blocks(ff, BLOCKS), **common)
+    up_warps, down_warps = warps_for(ROWS, qtype), warps_for(DOWN_ROWS)
+    return [("gate/up", compile_sass(_gate_up_kernel, gate_up, up_warps),
+             ROWS * step_weights(qtype, hidden) * 2 // (32 * up_warps)),
+            ("down", compile_sass(_down_kernel, down, down_warps),
+             DOWN_ROWS * step_weights(qtype, ff) // (32 * down_warps))]
 
 
 def loops(text: str) -> list[list[str]]:
@@ -76,12 +87,11 @@ def loops(text: str) -> list[list[str]]:
 
 def main() -> None:
     for qtype in [QType[n] for n in sys.argv[1:]] or KERNEL_TYPES:
-        text, per_thread = sass(qtype)
-        spans = loops(text)
-        weights_loop = max(spans, key=lambda s: sum(n.startswith("LDG") for n in s))
-        kinds = collections.Counter(n.split(".")[0] for n in weights_loop)
-        print(f"{qtype.name}: {len(weights_loop)} instructions a step for {per_thread} weights a thread: "
-              f"{len(weights_loop) / per_thread:.1f} a weight; {dict(kinds.most_common(10))}")
+        for name, text, per_thread in kernels(qtype):
+            loop = max(loops(text), key=lambda s: sum(n.startswith("LDG") for n in s))
+            kinds = collections.Counter(n.split(".")[0] for n in loop)
+            print(f"{qtype.name} {name}: {len(loop)} instructions a step for {per_thread} weights a thread, "
+                  f"{len(loop) / per_thread:.1f} a weight, {kinds['LDL']} local loads; {dict(kinds.most_common(8))}")
 
 
 if __name__ == "__main__":
