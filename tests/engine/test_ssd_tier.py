@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -61,19 +62,24 @@ def test_experts_on_disk_give_the_same_tokens_as_in_ram(small_moe_gguf: Path, ca
     assert snap.disk_reads == 3 * snap.ram_misses  # gate, up, down: three ranges of three tensors
 
 
+def assert_tier_holds_the_files_bytes(engine: LLMEngine) -> None:
+    tier, mapped = engine.cache.tier, engine.store.mapped
+    assert tier is not None
+    for key, slot in tier.lru.residents().items():
+        layer, e = cast(tuple[int, int], key)
+        bank, file = tier.banks[layer], mapped[layer]
+        for part, t in zip((bank.gate, bank.up, bank.down), (file.gate, file.up, file.down)):
+            assert torch.equal(part[slot].reshape(-1), t[e].reshape(-1)), (layer, e)
+
+
 def test_the_tier_takes_back_what_the_device_cache_evicts_with_the_files_bytes(small_moe_gguf: Path) -> None:
     """The tier exclusive of the cache: experts the cache evicts are copied back into the tier from their slots, and
     every expert the tier holds afterwards (read from disk or taken back) is byte for byte the file's."""
     got, engine = greedy(small_moe_gguf, CacheConfig(ssd_moe=True, host_cache_mib=2, budget_mib=1, miss_mode="stream",
                                                      policy="lru"))
-    snap, tier = engine.cache.snapshot(), engine.cache.tier
-    assert tier is not None and snap.evictions > 0 and snap.ram_kept > 0
-    mapped = engine.store.mapped
-    for (layer, e), slot in tier.lru.residents().items():
-        bank = tier.banks[layer]  # type: ignore[index]
-        for part, t in zip((bank.gate, bank.up, bank.down), (mapped[layer].gate, mapped[layer].up,  # type: ignore[index]
-                                                             mapped[layer].down)):  # type: ignore[index]
-            assert torch.equal(part[slot].reshape(-1), t[e].reshape(-1)), (layer, e)
+    snap = engine.cache.snapshot()
+    assert snap.evictions > 0 and snap.ram_kept > 0
+    assert_tier_holds_the_files_bytes(engine)
     engine.close()
     expected, reference = greedy(small_moe_gguf, CacheConfig())
     reference.close()
@@ -125,9 +131,10 @@ def test_experts_on_disk_give_the_same_tokens_on_cuda(small_moe_gguf: Path, miss
         host_cache_mib = 2
     got, engine = greedy(small_moe_gguf, replace(cache, ssd_moe=True, host_cache_mib=host_cache_mib), "cuda")
     snap = engine.cache.snapshot()
+    assert_tier_holds_the_files_bytes(engine)  # those read and those taken back from the device's slots
     engine.close()
     assert got == expected
-    assert snap.ram_misses > 0 and snap.disk_read_bytes > 0
+    assert snap.ram_misses > 0 and snap.disk_read_bytes > 0 and snap.evictions > 0 and snap.ram_kept > 0
 
 
 @dataclass
