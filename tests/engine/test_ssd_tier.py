@@ -144,13 +144,11 @@ class Peaks:
     map: int = 0  # Rss of the GGUF file's mapping
 
 
-def _sample(pid: int, model: Path, peaks: Peaks, with_map: bool) -> None:
+def _sample(pid: int, model: Path, peaks: Peaks) -> None:
     try:
         status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
         peaks.anon = max(peaks.anon, int(status["RssAnon"].split()[0]) * 1024)
         peaks.file = max(peaks.file, int(status["RssFile"].split()[0]) * 1024)
-        if not with_map:
-            return
         mapped, inside = 0, False
         for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
             if line[:1].isdigit() or line[:1] in "abcdef":  # a mapping's header line
@@ -163,14 +161,14 @@ def _sample(pid: int, model: Path, peaks: Peaks, with_map: bool) -> None:
 
 
 def generate(model: Path, *flags: str) -> tuple[str, Peaks]:
-    """`moecache generate` in a subprocess, its memory sampled every 10 ms (the map's every 100 ms)."""
+    """`moecache generate` in a subprocess, its memory and its map's sampled every 10 ms. NOTE: the map every 10th
+    sample once missed the in-RAM run's expert pages on a loaded machine (its last sample came before them)."""
     cmd = [sys.executable, "-m", "service.cli", "generate", "-m", str(model), "--device", "cpu", "-p",
            "Once upon a time", "-n", "8", "--temperature", "0", "--ignore-eos", "-c", "64", *flags]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peaks, samples = Peaks(), 0
+    peaks = Peaks()
     while proc.poll() is None:
-        _sample(proc.pid, model, peaks, with_map=samples % 10 == 0)
-        samples += 1
+        _sample(proc.pid, model, peaks)
         time.sleep(0.01)
     out, err = proc.communicate()
     assert proc.returncode == 0, err
