@@ -246,8 +246,8 @@ class RamTier:
         """Experts of the layer the device cache evicted, each with its gate, up and down bytes there: they become the
         tier's most recent, copied into a slot where the tier no longer held them, so that the tier holds what the
         device cache does not (exclusive of it: `.ci/ram-tier-replay.py`). NOTE: nothing may read the tier's slots
-        meanwhile (the caller waits for the device first)."""
-        _, missed = self.lru.place([(layer, e) for e in evicted])
+        meanwhile (the caller waits for the device first). More than the tier holds: the last of them."""
+        _, missed = self.lru.place([(layer, e) for e in list(evicted)[-self.num_slots:]])
         bank = self.banks[layer]
         for key, slot in missed:
             for into, part in zip((bank.gate[slot], bank.up[slot], bank.down[slot]), evicted[key[1]]):  # type: ignore[index]

@@ -153,3 +153,21 @@ def test_demoted_keys_are_evicted_first() -> None:
     lru.demote(["c", "missing"])  # c: the most recent, now the first to go; a key not held is ignored
     _, missed = lru.place(["d"])
     assert missed == [("d", 2)] and set(lru.residents()) == {"a", "b", "d"}
+
+
+def test_the_tier_takes_back_at_most_what_it_holds(weights: ModelWeights, gguf: GGUFFile) -> None:
+    """More evicted experts of a layer than the tier has slots (a prompt's reservation can evict a whole layer's
+    cache): it takes the last of them, each with the bytes it was given, and reads nothing."""
+    stats = CacheStats()
+    tier = make_tier(weights, gguf, weights.hparams.top_k + 1, stats)
+    bank = tier.layouts[1]
+    given = {e: tuple(torch.full_like(t[e], e) for t in (bank.gate, bank.up, bank.down))
+             for e in range(tier.num_slots + 2)}
+    tier.keep(1, given)
+    assert set(tier.lru.residents()) == {(1, e) for e in range(2, tier.num_slots + 2)}
+    for key, slot in tier.lru.residents().items():
+        for t in (tier.banks[1].gate, tier.banks[1].up, tier.banks[1].down):
+            assert int(t[slot].min()) == int(t[slot].max()) == key[1]  # type: ignore[index]
+    snap = stats.snapshot()
+    assert snap.ram_kept == tier.num_slots and snap.disk_reads == 0
+    tier.close()
