@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from service.bench.runner import DECODE, DECODE_PROMPT, Phase
-from service.bench.streams import Run, StreamTiming
+from service.bench.streams import SERVER_HISTOGRAMS, Run, StreamTiming
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,19 @@ class Latency:
 
 
 @dataclass(frozen=True)
+class ServerSide:
+    """A run's requests as the server measured them (its /metrics histograms, before and after the run): the mean
+    time from arrival to the first step that computes a request (queue) and to its first token (TTFT). Beside the
+    clients' TTFT they tell waiting for the engine from waiting for delivery."""
+
+    queue_ms: float
+    ttft_ms: float
+
+    def cell(self) -> str:
+        return f"{self.queue_ms:.1f} / {self.ttft_ms:.1f}"
+
+
+@dataclass(frozen=True)
 class ServedFigures:
     """One run of `clients` streams over one transport."""
 
@@ -50,6 +63,7 @@ class ServedFigures:
     itl: Latency  # every gap between two chunks of a stream, per token
     itl_joining: Latency | None = None  # the running streams' gaps while new prompts came in
     ttft_joining: Latency | None = None  # of the requests that came in
+    server: ServerSide | None = None  # the same run as the server's /metrics saw it
 
     @property
     def tokens_per_second(self) -> float:
@@ -69,6 +83,17 @@ def served_figures(path: str, run: Run) -> ServedFigures:
         _latency([gap for t in streams for gap in t.gaps]),
         Latency.of(gaps_within(streams, window)) if window else None,
         Latency.of([t.ttft for t in run.joined]))
+
+
+def server_side(before: dict[str, float] | None, after: dict[str, float] | None) -> ServerSide | None:
+    """A run's mean queue time and TTFT from the server's histogram totals before and after it (`server_totals`)."""
+    if before is None or after is None:
+        return None
+    queue, ttft = (tuple(after.get(f"{name}_{part}", 0.0) - before.get(f"{name}_{part}", 0.0)
+                         for part in ("sum", "count")) for name in SERVER_HISTOGRAMS)
+    if not queue[1] or not ttft[1]:
+        return None
+    return ServerSide(1e3 * queue[0] / queue[1], 1e3 * ttft[0] / ttft[1])
 
 
 def _latency(seconds: Sequence[float]) -> Latency:
@@ -154,7 +179,7 @@ def _ratio(served: ServedFigures, engine: EngineFigures | None) -> float | None:
 
 
 HEADER = ("| path | clients | tok/s | decode tok/s | engine decode tok/s | served / engine | TTFT p50 / p99 (ms) | "
-          "ITL p50 / p99 (ms) | ITL while prompts join (ms) | joining TTFT (ms) |")
+          "server queue / TTFT mean (ms) | ITL p50 / p99 (ms) | ITL while prompts join (ms) | joining TTFT (ms) |")
 
 
 def format_table(report: ServeBenchReport) -> str:
@@ -164,7 +189,7 @@ def format_table(report: ServeBenchReport) -> str:
              f"{s.repeats} runs" + (f"; in {s.repeats} more runs {s.num_joining} prompts of "
                                    f"{s.joining_prompt_tokens} tokens join, one every {s.joining_every_ms:g} ms"
                                    if s.num_joining else ""),
-             "", HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "", HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [_row(f, report.engine_at(f.clients)) for f in report.served]
     lines += [_engine_row(e) for e in report.engine]
     return "\n".join(lines)
@@ -174,12 +199,13 @@ def _row(f: ServedFigures, engine: EngineFigures | None) -> str:
     ratio = _ratio(f, engine)
     cells = [f.path, str(f.clients), f"{f.tokens_per_second:.1f}", f"{f.decode_tokens_per_second:.1f}",
              f"{engine.decode_tokens_per_second:.1f}" if engine else "", f"{ratio:.2f}" if ratio else "",
-             f.ttft.cell(), f.itl.cell(), f.itl_joining.cell() if f.itl_joining else "",
+             f.ttft.cell(), f.server.cell() if f.server else "", f.itl.cell(),
+             f.itl_joining.cell() if f.itl_joining else "",
              f.ttft_joining.cell() if f.ttft_joining else ""]
     return "| " + " | ".join(cells) + " |"
 
 
 def _engine_row(e: EngineFigures) -> str:
     cells = ["engine (in process)", str(e.batch), f"{e.tokens_per_second:.1f}", f"{e.decode_tokens_per_second:.1f}",
-             f"{e.decode_tokens_per_second:.1f}", "1.00", "", "", "", ""]
+             f"{e.decode_tokens_per_second:.1f}", "1.00", "", "", "", "", ""]
     return "| " + " | ".join(cells) + " |"

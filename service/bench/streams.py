@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.grpc_api.stubs import load
 
@@ -63,6 +64,25 @@ Client = Callable[[Load, asyncio.Event | None], Awaitable[StreamTiming]]
 def completion_body(load: Load) -> dict[str, Any]:
     return {"prompt": load.prompt, "max_tokens": load.max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+
+
+SERVER_HISTOGRAMS = ("moecache_request_queue_time_seconds", "moecache_time_to_first_token_seconds")
+
+
+async def server_totals(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+    """The sums and counts of the server's queue-time and TTFT histograms (its /metrics, every model label added),
+    by sample name; None where it has no /metrics."""
+    async with session.get(f"{url}/metrics") as response:
+        if response.status != 200:
+            return None
+        text = await response.text()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in SERVER_HISTOGRAMS:
+            for sample in family.samples:
+                if sample.name.endswith(("_sum", "_count")):
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
 
 
 async def http_stream(session: aiohttp.ClientSession, url: str, load: Load,
@@ -117,6 +137,10 @@ class HttpClients(AbstractAsyncContextManager["HttpClients"]):
     async def stream(self, load: Load, first: asyncio.Event | None = None) -> StreamTiming:
         assert self._session is not None
         return await http_stream(self._session, self.url, load, first)
+
+    async def totals(self) -> dict[str, float] | None:
+        assert self._session is not None
+        return await server_totals(self._session, self.url)
 
 
 # -- gRPC ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,9 +28,20 @@ from service.bench.serving import (
     format_table,
     median_run,
     served_figures,
+    server_side,
     write_json,
 )
-from service.bench.streams import GRPC, HTTP, PATHS, Client, GrpcClients, HttpClients, Load, run_clients
+from service.bench.streams import (
+    GRPC,
+    HTTP,
+    PATHS,
+    SERVER_HISTOGRAMS,
+    Client,
+    GrpcClients,
+    HttpClients,
+    Load,
+    run_clients,
+)
 from service.bench.sweep import comma_list
 from service.engine_setup import RoutingOptions, load_engine, with_default_model
 from service.options import add_engine_options, engine_config, env_name, options_of
@@ -142,20 +154,27 @@ def describe_options(settings: dict[str, str]) -> str:
 async def measure_paths(url: str, grpc_target: str | None, settings: ServeSettings, load: Load,
                         joining: Load | None) -> tuple[ServedFigures, ...]:
     figures: list[ServedFigures] = []
-    for path in settings.paths:
-        async with (HttpClients(url) if path == HTTP else GrpcClients(grpc_target or "")) as clients:
-            for num_clients in settings.clients:
-                figures.append(await measure_row(path, clients.stream, settings, load, joining, num_clients))
-                print(f"{path} x{num_clients}: {figures[-1].tokens_per_second:.1f} tok/s", file=sys.stderr,
-                      flush=True)
+    async with HttpClients(url) as scraper:  # the server's own histograms around each run
+        for path in settings.paths:
+            async with (HttpClients(url) if path == HTTP else GrpcClients(grpc_target or "")) as clients:
+                for num_clients in settings.clients:
+                    figures.append(await measure_row(path, clients.stream, scraper.totals, settings, load, joining,
+                                                     num_clients))
+                    print(f"{path} x{num_clients}: {figures[-1].tokens_per_second:.1f} tok/s", file=sys.stderr,
+                          flush=True)
     return tuple(figures)
 
 
-async def measure_row(path: str, client: Client, settings: ServeSettings, load: Load, joining: Load | None,
-                      num_clients: int) -> ServedFigures:
-    """A warm-up run, then `repeats` runs: the run of median decode speed; with joining requests, as many
-    runs again with them, whose latencies while they join are added to it."""
-    plain = [served_figures(path, await run_clients(client, load, num_clients)) for _ in range(settings.repeats + 1)]
+async def measure_row(path: str, client: Client, totals: Callable[[], Awaitable[dict[str, float] | None]],
+                      settings: ServeSettings, load: Load, joining: Load | None, num_clients: int) -> ServedFigures:
+    """A warm-up run, then `repeats` runs: the run of median decode speed, with the server's mean queue time and
+    TTFT of its requests (`totals`: its histograms); with joining requests, as many runs again with them, whose
+    latencies while they join are added to it."""
+    plain = []
+    for _ in range(settings.repeats + 1):
+        before = await totals()
+        figures = served_figures(path, await run_clients(client, load, num_clients))
+        plain.append(replace(figures, server=server_side(before, await settled_totals(totals, before, num_clients))))
     figures = median_run(plain[1:])
     if joining is None:
         return figures
@@ -164,6 +183,19 @@ async def measure_row(path: str, client: Client, settings: ServeSettings, load: 
               for _ in range(settings.repeats)]
     middle = median_run(joined)
     return replace(figures, itl_joining=middle.itl_joining, ttft_joining=middle.ttft_joining)
+
+
+async def settled_totals(totals: Callable[[], Awaitable[dict[str, float] | None]], before: dict[str, float] | None,
+                         num_requests: int) -> dict[str, float] | None:
+    """The totals once the server counted the run's requests (it records a request as its stream ends, just after
+    the client reads the last token), waiting at most a second."""
+    key = f"{SERVER_HISTOGRAMS[1]}_count"
+    for _ in range(20):
+        after = await totals()
+        if before is None or after is None or after.get(key, 0.0) - before.get(key, 0.0) >= num_requests:
+            return after
+        await asyncio.sleep(0.05)
+    return after
 
 
 # -- in process ------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from service.bench.serving import gaps_within, median_run, served_figures
+from service.bench.serving import ServerSide, gaps_within, median_run, served_figures, server_side
 from service.bench.streams import Run, StreamTiming
 from service.cli import main
 
@@ -49,6 +49,16 @@ def test_latency_while_prompts_join_takes_the_gaps_inside_the_join_window() -> N
     assert figures.ttft_joining is not None and figures.ttft_joining.p50_ms == pytest.approx(1000.0)
 
 
+def test_the_servers_view_of_a_run_is_the_mean_of_what_its_histograms_added() -> None:
+    queue, ttft = "moecache_request_queue_time_seconds", "moecache_time_to_first_token_seconds"
+    before = {f"{queue}_sum": 1.0, f"{queue}_count": 2, f"{ttft}_sum": 3.0, f"{ttft}_count": 2}
+    after = {f"{queue}_sum": 1.3, f"{queue}_count": 5, f"{ttft}_sum": 3.9, f"{ttft}_count": 5}
+    side = server_side(before, after)
+    assert side is not None and side.queue_ms == pytest.approx(100.0) and side.ttft_ms == pytest.approx(300.0)
+    assert server_side(None, after) is None and server_side(before, before) is None
+    assert ServerSide(1.25, 2.5).cell() == "1.2 / 2.5"
+
+
 def test_the_median_run_is_reported_whole() -> None:
     runs = [served_figures("http", Run((stream(0.0, [1.0, 1.0 + d]),), (), 0.0, 1.0 + d)) for d in (0.1, 0.4, 0.2)]
     assert median_run(runs).decode_tokens_per_second == pytest.approx(1 / 0.2)
@@ -82,6 +92,9 @@ def test_figures_are_positive_and_beside_the_engine(report: tuple[str, dict[str,
     for row in doc["served"]:
         assert row["tokens_per_second"] > 0 and row["decode_tokens_per_second"] > 0 and row["engine_ratio"] > 0
         assert 0 < row["ttft"]["p50_ms"] <= row["ttft"]["p99_ms"] and 0 < row["itl"]["p50_ms"] <= row["itl"]["p99_ms"]
+        # the server's own view of the same run: arrival -> first step -> first token, inside the clients' TTFT
+        server = row["server"]
+        assert 0 <= server["queue_ms"] <= server["ttft_ms"] <= row["ttft"]["p99_ms"], row
     assert all(e["decode_tokens_per_second"] > 0 and e["tokens_per_second"] > 0 for e in doc["engine"])
     assert doc["settings"]["prompt_tokens"] > 0 and doc["machine"]["device"] == "cpu"
     assert table.count("| http |") == len(CLIENTS) and table.count("| engine (in process) |") == len(CLIENTS)
