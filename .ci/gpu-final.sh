@@ -17,7 +17,8 @@
 #      tier of 25% of the experts) against every expert in RAM, the same 25% cache, stream, batch 1; then decode at a
 #      32k-token context (one sequence) with the KV cache in each of KV_TYPES (default bf16 q8_0 q4_0; experts
 #      resident), as long as the stage's time lasts.
-# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | ... | 6
+#   7: throughput as served with every routed expert in host RAM behind a cache of half their bytes (bench-serve).
+# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | ... | 7
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LOGS=${LOGS:-/tmp/moecache-gpu}  # kept between the calls of one lease; packed into $OUT/gpu-logs.tgz at the end
@@ -168,5 +169,15 @@ PY
       --batches 1 --prompt-len 16 --decode-prompt-len 32704 --max-num-seqs 1 --warmup-gen-len 2 --gen-len 64 --repeats 1 \
       --json "$LOGS/kv32k-$kv.json" 2>&1 | tee -a "$LOGS/kv32k.log" | grep -E "^\||rror"
   done
+  ;;
+7)
+  # throughput as served with the cache (issue 16's "with and without the cache"): every routed expert in host RAM
+  # behind a cache of half their bytes (decay, stream), 1/8/32 streaming clients over HTTP and gRPC
+  M=/tmp/qwen3moe-30b-a3b.gguf
+  HALF_MIB=$(PYTHONPATH=/tmp/site:$PWD python3 -c "from engine.gguf.reader import GGUFFile; \
+print(sum(t.num_bytes for t in GGUFFile('$M') if '_exps' in t.name) // 2 >> 20)")
+  PYTHONPATH=/tmp/site:$PWD timeout 400 python3 -m service.cli bench-serve -m $M --cpu-moe --moe-cache-mib "$HALF_MIB" --miss-mode stream \
+    --clients 1,8,32 --gen-len 128 --join 4 --json "$LOGS/serve-cached.json" 2>&1 | tee "$LOGS/serve-cached.log" \
+    | grep -E "^\|"
   ;;
 esac
