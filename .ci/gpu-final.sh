@@ -176,8 +176,8 @@ PY
   M=/tmp/qwen3moe-30b-a3b.gguf
   HALF_MIB=$(PYTHONPATH=/tmp/site:$PWD python3 -c "from engine.gguf.reader import GGUFFile; \
 print(sum(t.num_bytes for t in GGUFFile('$M') if '_exps' in t.name) // 2 >> 20)")
-  PYTHONPATH=/tmp/site:$PWD timeout 400 python3 -m service.cli bench-serve -m $M --cpu-moe --moe-cache-mib "$HALF_MIB" --miss-mode stream \
-    --clients 1,8,32 --gen-len 128 --join 4 --json "$LOGS/serve-cached.json" 2>&1 | tee "$LOGS/serve-cached.log" \
-    | grep -E "^\|"
+  PYTHONPATH=/tmp/site:$PWD timeout 400 python3 -m service.cli bench-serve -m $M --cpu-moe --moe-cache-mib "$HALF_MIB" \
+    --miss-mode stream --clients 1,8,32 --gen-len 128 --join 4 --json "$LOGS/serve-cached.json" 2>&1 \
+    | tee "$LOGS/serve-cached.log" | grep -E "^\|"
   ;;
 esac
