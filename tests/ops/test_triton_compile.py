@@ -1,5 +1,5 @@
 """The grouped expert kernels, the block-end norms, the gated activation and decode attention compile for the H200
-(sm90) on a machine without a GPU.
+(sm90) on a machine without a GPU, and the decode kernels' weight loops spill no more than they do today.
 
 Triton's interpreter runs the kernels' semantics on the CPU (tests/ops/test_triton_experts.py) but lets through what
 only the compiler refuses (a global that is not a constexpr, a type that differs between branches): here each
@@ -8,6 +8,7 @@ kernel variant the engine launches is compiled to a cubin for sm90, as the devic
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -136,3 +137,21 @@ def test_decode_attention_with_windows_and_sinks_compiles_for_sm90(head_dim: int
 def test_gated_act_compiles_for_sm90(gelu: bool) -> None:
     compile_for_sm90(_gated_act_kernel, {"gate_up": "*bf16", "out": "*bf16"},
                      dict(ACT=ACTIVATIONS["gelu" if gelu else "silu"], BLOCK=1024), num_warps=4)
+
+
+# the decode loops that spill today (tools.sass_loops, docs/kernels.md), at most this many local loads a step
+SPILLS = {(QType.Q6_K, "gate/up"): 246, (QType.Q8_0, "gate/up"): 153, (QType.Q6_K, "down"): 8}
+
+
+@needs_backend
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+def test_the_decode_loops_do_not_spill_more_than_they_do(qtype: QType) -> None:
+    """Each format's gate/up and down kernel as the engine launches it at batch 1, compiled for sm90 and disassembled:
+    the loop that reads the weights reads no spilled registers back, except where it already does (no more)."""
+    from tools.sass_loops import NVDISASM, weight_loops
+
+    if not os.path.exists(NVDISASM):
+        pytest.skip(f"no nvdisasm beside Triton's ptxas ({NVDISASM})")
+    for loop in weight_loops(qtype):
+        assert loop.local_loads <= SPILLS.get((qtype, loop.kernel), 0), str(loop)
+        assert loop.weights > 0 and loop.kinds["LDG"] > 0, str(loop)

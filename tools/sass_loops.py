@@ -4,8 +4,9 @@ rows, the launcher's warps, `qdot.step_blocks`' blocks a step), disassembled wit
 loop's instructions counted by kind, with the instructions per weight of the loop that reads the weights (the loop
 with the most global loads). A static count: what a change to `ops/triton/qdot.py` costs or saves per weight before a
 lease times it.
-BLOCKS=N sets the 32-block formats' blocks a step. Needs Triton's CUDA backend (not its interpreter).
-Usage: [BLOCKS=N] python3 .ci/sass-loops.py [FORMAT ...]   (default: every format with a decode kernel)"""
+BLOCKS=N sets the 32-block formats' blocks a step. Needs Triton's CUDA backend (not its interpreter); CPU CI checks
+the loops' spills with it (tests/ops/test_triton_compile.py).
+Usage: [BLOCKS=N] python -m tools.sass_loops [FORMAT ...]   (default: every format with a decode kernel)"""
 
 import collections
 import os
@@ -13,10 +14,11 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from triton.compiler import ASTSource  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.quants import QType
 from ops.triton.down import _down_kernel
@@ -67,7 +69,9 @@ def kernels(qtype: QType) -> list[tuple[str, str, int]]:
 
 def loops(text: str) -> list[list[str]]:
     """The instructions of each innermost loop (a backward branch's span holding no other)."""
-    code, labels, pending = [], {}, []
+    code: list[tuple[int, str, str]] = []
+    labels: dict[str, int] = {}
+    pending: list[str] = []
     for line in text.splitlines():
         if label := re.match(r"\s*(\.L_x_\d+):", line):
             pending.append(label.group(1))
@@ -85,13 +89,38 @@ def loops(text: str) -> list[list[str]]:
     return [[n for x, n, _ in code if a <= x <= b] for a, b in inner]
 
 
+@dataclass(frozen=True)
+class Loop:
+    qtype: QType
+    kernel: str  # gate/up | down
+    instructions: int  # a step of the loop that reads the weights
+    weights: int  # a thread reads a step
+    kinds: collections.Counter[str]
+
+    @property
+    def local_loads(self) -> int:
+        """Spilled registers read back in the loop."""
+        return self.kinds["LDL"]
+
+    def __str__(self) -> str:
+        return (f"{self.qtype.name} {self.kernel}: {self.instructions} instructions a step for {self.weights} weights "
+                f"a thread, {self.instructions / self.weights:.1f} a weight, {self.local_loads} local loads; "
+                f"{dict(self.kinds.most_common(8))}")
+
+
+def weight_loops(qtype: QType) -> list[Loop]:
+    """The format's gate/up and down loops that read the weights (the innermost loop with the most global loads)."""
+    found = []
+    for name, text, per_thread in kernels(qtype):
+        loop = max(loops(text), key=lambda s: sum(n.startswith("LDG") for n in s))
+        found.append(Loop(qtype, name, len(loop), per_thread, collections.Counter(n.split(".")[0] for n in loop)))
+    return found
+
+
 def main() -> None:
-    for qtype in [QType[n] for n in sys.argv[1:]] or KERNEL_TYPES:
-        for name, text, per_thread in kernels(qtype):
-            loop = max(loops(text), key=lambda s: sum(n.startswith("LDG") for n in s))
-            kinds = collections.Counter(n.split(".")[0] for n in loop)
-            print(f"{qtype.name} {name}: {len(loop)} instructions a step for {per_thread} weights a thread, "
-                  f"{len(loop) / per_thread:.1f} a weight, {kinds['LDL']} local loads; {dict(kinds.most_common(8))}")
+    for qtype in [QType.__members__[n] for n in sys.argv[1:]] or KERNEL_TYPES:
+        for loop in weight_loops(qtype):
+            print(loop)
 
 
 if __name__ == "__main__":
