@@ -51,7 +51,7 @@ def replay(policy: str, seed: int, vram_slots: int, tier: SlotLru | None,
             if exclusive and tier is not None:
                 for layer in range(LAYERS):  # a layer at a time, as the tier is filled
                     tier.place([key for key in evicted if key[0] == layer])
-                tier.let_go(list(landed))
+                tier.demote(list(landed))
             if measured and i >= 2:  # the decode steps
                 num_misses = sum(map(len, misses.values()))
                 used_total += sum(map(len, used.values()))
@@ -63,18 +63,10 @@ def replay(policy: str, seed: int, vram_slots: int, tier: SlotLru | None,
     return vram_hits / used_total, tier_hits / max(1, tier_hits + tier_misses), evictions / decode_steps
 
 
-class ExclusiveLru(SlotLru):
-    def let_go(self, keys: list) -> None:
-        """Keys the VRAM now holds: the first the tier evicts."""
-        for key in keys:
-            if key in self._slot:
-                self._slot.move_to_end(key, last=False)
-
-
 def main() -> None:
     for policy in sys.argv[1:] or ["lru", "decay"]:
         inclusive = np.mean([replay(policy, s, QUARTER, SlotLru(QUARTER)) for s in SEEDS], axis=0)
-        exclusive = np.mean([replay(policy, s, QUARTER, ExclusiveLru(QUARTER), True) for s in SEEDS], axis=0)
+        exclusive = np.mean([replay(policy, s, QUARTER, SlotLru(QUARTER), True) for s in SEEDS], axis=0)
         half = np.mean([replay(policy, s, 2 * QUARTER, None)[0] for s in SEEDS])
         second_quarter = (half - inclusive[0]) / (1 - inclusive[0])
         print(f"{policy}: VRAM 25% hits {inclusive[0]:.3f}; the LRU RAM tier of 25% behind it {inclusive[1]:.3f}, "

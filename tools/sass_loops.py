@@ -14,7 +14,9 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped, import-not-found, unused-ignore]
@@ -31,18 +33,33 @@ BLOCKS = int(os.environ.get("BLOCKS", "0"))  # blocks of 32 a step of the 32-blo
 # each format on a preset's shape: hidden and ff sizes, expert math (the gpt-oss one with biases)
 SHAPES = {QType.Q4_K: (2048, 768, "silu"), QType.Q5_K: (2048, 768, "silu"), QType.Q6_K: (2048, 768, "silu"),
           QType.Q8_0: (2048, 1408, "silu"), QType.Q4_0: (2816, 704, "gelu"), QType.MXFP4: (2880, 2880, "swiglu_oai")}
+SM90 = GPUTarget("cuda", 90, 32)
+POINTER_DTYPES = {"fill_flags": "*i8", "x": "*bf16"}  # the rest: float32 data, int64 ids and address tables
 INT64 = {"token_ids", "expert_ids", "gate_ptrs", "up_ptrs", "down_ptrs", "host_gate_ptrs", "host_up_ptrs",
          "host_down_ptrs"}
-FLOAT32 = {"x_gate", "x_up", "x_sums", "h", "hs", "gate_biases", "up_biases", "weights", "y", "down_biases"}
-TYPES = {"fill_flags": "*i8", "x": "*bf16", "alpha": "fp32", "limit": "fp32"}
+FLOAT32 = {"x_gate", "x_up", "x_sums", "h", "hs", "gate_biases", "up_biases", "down_biases", "weights", "y", "out",
+           "sums"}
+SCALARS = {"alpha": "fp32", "limit": "fp32"}  # the expert math's (clamped SwiGLU)
 
 
-def compile_sass(kernel: triton.JITFunction, constexprs: dict, warps: int) -> str:
-    signature = {name: "constexpr" if name in constexprs else TYPES.get(name) or
-                 ("*i64" if name in INT64 else "*fp32" if name in FLOAT32 else "i32") for name in kernel.arg_names}
-    source = ASTSource(fn=kernel, signature=signature,
+def compile_sm90(kernel: triton.JITFunction, types: Mapping[str, str], constexprs: Mapping[str, object],
+                 num_warps: int = 2) -> Any:
+    """The kernel compiled for sm90 (no GPU needed). `types`: the arguments whose types differ from the defaults
+    above (by name); the rest are i32."""
+    def kind(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name in types:
+            return types[name]
+        return POINTER_DTYPES.get(name) or ("*i64" if name in INT64 else "*fp32" if name in FLOAT32 else "i32")
+
+    source = ASTSource(fn=kernel, signature={name: kind(name) for name in kernel.arg_names},
                        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(source, target=SM90, options={"num_warps": num_warps})
+
+
+def compile_sass(kernel: triton.JITFunction, constexprs: Mapping[str, object], warps: int) -> str:
+    compiled = compile_sm90(kernel, SCALARS, constexprs, warps)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()

@@ -43,7 +43,7 @@ class CopyEngine:
             # NOTE: slots may still be read by the step just launched: wait for it before overwriting.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             return CopyHandle(event=self._copy_on_stream(pairs))
-        return CopyHandle(future=self.thread.submit(_copy_all, pairs))
+        return CopyHandle(future=self.thread.submit(copy_pairs, pairs))
 
     def upload(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                after: torch.cuda.Event | None) -> torch.cuda.Event:
@@ -70,7 +70,8 @@ class CopyEngine:
             self.thread.shutdown(wait=True)
 
 
-def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each (dst, src) now, in the calling thread."""
     for dst, src in pairs:
         dst.copy_(src)
 

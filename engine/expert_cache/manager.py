@@ -242,8 +242,8 @@ class CacheManager:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for layer, evicted in by_layer.items():
-            self.tier.keep(layer, evicted)  # type: ignore[union-attr]
+        for layer, evicted in by_layer.items():  # one batch of device -> host copies a layer, on the copy stream
+            self.tier.keep(layer, evicted, lambda pairs: self.copies.copy(pairs).wait())  # type: ignore[union-attr]
 
     def _offer(self, offers: list[tuple[int, int, int]]) -> None:
         """(group, ring, slot) onto the device's rings, for the device to land misses in."""

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from engine.expert_cache.device import copy_pairs
 from engine.expert_cache.stats import CacheStats
 from ops.bank import ExpertWeights
 from ops.expert_ffn import expert_ffn
@@ -242,16 +243,19 @@ class RamTier:
         self.stats.record_ram_tier(len(experts) - len(missed), len(missed), reads, read_bytes)
         return slots
 
-    def keep(self, layer: int, evicted: Mapping[int, Sequence[torch.Tensor]]) -> None:
+    def keep(self, layer: int, evicted: Mapping[int, Sequence[torch.Tensor]],
+             copy: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] = copy_pairs) -> None:
         """Experts of the layer the device cache evicted, each with its gate, up and down bytes there: they become the
-        tier's most recent, copied into a slot where the tier no longer held them, so that the tier holds what the
-        device cache does not (exclusive of it: `.ci/ram-tier-replay.py`). NOTE: nothing may read the tier's slots
-        meanwhile (the caller waits for the device first). More than the tier holds: the last of them."""
+        tier's most recent, copied (`copy`: the (dst, src) pairs, done when it returns) into a slot where the tier no
+        longer held them, so that the tier holds what the device cache does not (exclusive of it:
+        `.ci/ram-tier-replay.py`). NOTE: nothing may read the tier's slots meanwhile (the caller waits for the device
+        first). More than the tier holds: the last of them."""
         _, missed = self.lru.place([(layer, e) for e in list(evicted)[-self.num_slots:]])
-        bank = self.banks[layer]
+        bank, pairs = self.banks[layer], []
         for key, slot in missed:
             for into, part in zip((bank.gate[slot], bank.up[slot], bank.down[slot]), evicted[key[1]]):  # type: ignore[index]
-                into.copy_(part.reshape(into.shape))
+                pairs.append((into, part.reshape(into.shape)))
+        copy(pairs)
         self.stats.record_ram_tier_kept(len(missed))
 
     def let_go(self, layer: int, experts: Sequence[int]) -> None:

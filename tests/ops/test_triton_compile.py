@@ -16,8 +16,6 @@ import pytest
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
 from gguf import GGMLQuantizationType as QType  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from ops.triton import moe_gemm  # noqa: E402
 from ops.triton.attention import _split_kernel  # noqa: E402
@@ -26,28 +24,12 @@ from ops.triton.fused import _gated_act_kernel, _sandwich_kernel  # noqa: E402
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
 from ops.triton.qdot import KERNEL_TYPES, step_blocks  # noqa: E402
-
-SM90 = GPUTarget("cuda", 90, 32)
-POINTER_DTYPES = {"fill_flags": "*i8", "x": "*bf16"}  # the rest: float32 data, int64 ids and address tables
-INT64 = {"token_ids", "expert_ids", "gate_ptrs", "up_ptrs", "down_ptrs", "host_gate_ptrs", "host_up_ptrs",
-         "host_down_ptrs"}
-FLOAT32 = {"x_gate", "x_up", "x_sums", "h", "hs", "gate_biases", "up_biases", "down_biases", "weights", "y", "out",
-           "sums"}
+from tools.sass_loops import NVDISASM, compile_sm90, weight_loops  # noqa: E402
 
 
 def compile_for_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 2) -> None:
-    """`types`: the arguments whose types differ from the defaults below (by name)."""
-    def kind(name: str) -> str:
-        if name in constexprs:
-            return "constexpr"
-        if name in types:
-            return types[name]
-        return POINTER_DTYPES.get(name) or ("*i64" if name in INT64 else "*fp32" if name in FLOAT32 else "i32")
-
-    signature = {name: kind(name) for name in kernel.arg_names}
-    source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(source, target=SM90, options={"num_warps": num_warps})
+    """`types`: the arguments whose types differ from `tools.sass_loops.compile_sm90`'s defaults (by name)."""
+    compiled = compile_sm90(kernel, types, constexprs, num_warps)
     assert compiled.asm.get("cubin"), "no cubin"
 
 
@@ -148,8 +130,6 @@ SPILLS = {(QType.Q6_K, "gate/up"): 246, (QType.Q8_0, "gate/up"): 153, (QType.Q6_
 def test_the_decode_loops_do_not_spill_more_than_they_do(qtype: QType) -> None:
     """Each format's gate/up and down kernel as the engine launches it at batch 1, compiled for sm90 and disassembled:
     the loop that reads the weights reads no spilled registers back, except where it already does (no more)."""
-    from tools.sass_loops import NVDISASM, weight_loops
-
     if not os.path.exists(NVDISASM):
         pytest.skip(f"no nvdisasm beside Triton's ptxas ({NVDISASM})")
     for loop in weight_loops(qtype):
