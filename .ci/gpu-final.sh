@@ -52,8 +52,9 @@ case "$1" in
   wait
   # NOTE: pytest-xdist carried as a wheel, tests spread one by one: the suite is mostly Triton compiles on the CPU
   # NOTE: the at-once rates' test measures the host's memory: alone, after the others
-  pytest_gpu suite 240 -n 8 tests/ops tests/engine -k "not neither_the_link_nor_the_cpu" \
-    || pytest_gpu suite-again 60 --last-failed tests/ops tests/engine  # what failed beside seven others, alone
+  # SUITE, SUITE_S: the test paths (the engine's first: they are handed out first) and their limit
+  pytest_gpu suite "${SUITE_S:-240}" -n 8 ${SUITE:-tests/engine tests/ops} -k "not neither_the_link_nor_the_cpu" \
+    || pytest_gpu suite-again 60 --last-failed ${SUITE:-tests/engine tests/ops}  # what failed beside seven others, alone
   pytest_gpu at-once 40 tests/engine/expert_cache/test_split.py
   ;;
 2)

@@ -5,7 +5,11 @@ top-8: a table of median milliseconds of `repeats` runs (CUDA events), the speed
 the two outputs; then, while time is left, a few fused tile configs on the Q4_K_M layer. Decides
 `MOECACHE_PREFILL_EXPERTS`'s default. Starts no new format after `budget_s` seconds (a format costs a few seconds,
 most of it compiling), so that it ends within a minute on an H200.
-Usage: python3 .ci/gpu-moe-gemm.py [repeats=10] [budget_s=40]  (needs CUDA)"""
+With `decode` first: a decode step's sizes instead (1 to 32 tokens x top-8, Q4_K_M's mix): the decode kernels
+(`ops.triton.grouped_expert_ffn`, with the down rows whole and split in 3) against the fused GEMMs, each the median
+of `repeats` replays of a CUDA graph of 20 calls, each routed anew (weights mostly from HBM: one layer is 370 MB,
+L2 50 MB), divided by 20.
+Usage: python3 .ci/gpu-moe-gemm.py [decode] [repeats=10] [budget_s=40]  (needs CUDA)"""
 
 import time
 
@@ -15,6 +19,7 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from functools import partial  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -59,7 +64,7 @@ def routing(num_tokens: int) -> Pairs:
     return tokens, rows, torch.rand(rows.shape, device=CUDA)
 
 
-def median_ms(run: Callable[[], torch.Tensor], repeats: int) -> float:
+def median_ms(run: Callable[[], object], repeats: int) -> float:
     run()  # compile, warm the allocator
     times = []
     for _ in range(repeats):
@@ -97,6 +102,42 @@ def sweep(layer: ExpertWeights, num_tokens: int, repeats: int, budget_s: float) 
         print(f"  sweep {name(layer)} {num_tokens} tokens: {ms:.3f} ms  {config}", flush=True)
 
 
+def graph_us(calls: Callable[[], object], repeats: int) -> float:
+    """Microseconds a call of `calls` (20 calls), replayed as one CUDA graph as the engine replays its steps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls()  # compiled and the allocator warmed outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return median_ms(graph.replay, repeats) * 50
+
+
+def decode(repeats: int) -> None:
+    from ops.triton import LaunchConfig, grouped_expert_ffn, tables_from_bank
+    layer = bank(LAYERS[0])
+    tables = tables_from_bank(layer, CUDA)
+    configs = {"decode kernels": LaunchConfig(), "down split 3": LaunchConfig(down_splits=3)}
+    print(f"{'tokens':>6} " + " ".join(f"{name + ' us':>17}" for name in configs) + f" {'fused us':>9} {'rel diff':>9}",
+          flush=True)
+    for num_tokens in (1, 8, 16, 32):
+        x = torch.randn(num_tokens, HIDDEN, device=CUDA).bfloat16()
+        rounds = [routing(num_tokens) for _ in range(20)]  # other experts each call: weights from HBM, not L2
+
+        def kernels(config: LaunchConfig, x: torch.Tensor = x, rounds: list[Pairs] = rounds) -> list[torch.Tensor]:
+            return [grouped_expert_ffn(x, *r, tables, config=config) for r in rounds]
+
+        def fused(x: torch.Tensor = x, rounds: list[Pairs] = rounds) -> list[torch.Tensor]:
+            return [expert_ffn_moe_gemm(x, *r, layer) for r in rounds]
+
+        times = [graph_us(partial(kernels, c), repeats) for c in configs.values()] + [graph_us(fused, repeats)]
+        a, b = kernels(LaunchConfig())[0], fused()[0]
+        print(f"{num_tokens:>6} " + " ".join(f"{t:>17.1f}" for t in times[:-1]) + f" {times[-1]:>9.1f} "
+              f"{((a - b).norm() / a.norm()).item():>9.1e}", flush=True)
+
+
 def main(repeats: int, budget_s: float) -> None:
     os.environ[PREFILL_EXPERTS] = "dequant"  # expert_ffn_grouped_gemm: the dequantize path
     print(f"{'format g/u/d':<16} {'tokens':>6} {'dequant ms':>11} {'fused ms':>9} {'speedup':>8} "
@@ -120,4 +161,7 @@ def main(repeats: int, budget_s: float) -> None:
 
 if __name__ == "__main__":
     assert torch.cuda.is_available(), "needs CUDA"
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10, float(sys.argv[2]) if len(sys.argv) > 2 else 40.0)
+    if sys.argv[1:2] == ["decode"]:
+        decode(int(sys.argv[2]) if len(sys.argv) > 2 else 10)
+    else:
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 10, float(sys.argv[2]) if len(sys.argv) > 2 else 40.0)

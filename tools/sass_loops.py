@@ -76,7 +76,7 @@ def kernels(qtype: QType) -> list[tuple[str, str, int]]:
     common = dict(WINDOW=64, FILL=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1)
     gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BR=ROWS, GROUP=16,
                    ACT=ACTIVATIONS[activation], BLOCKS=step_blocks(hidden, BLOCKS), **common)
-    down = dict(DOWN_FMT=int(qtype), FF=ff, BR=DOWN_ROWS, BLOCKS=step_blocks(ff, BLOCKS), **common)
+    down = dict(DOWN_FMT=int(qtype), FF=ff, BR=DOWN_ROWS, BLOCKS=step_blocks(ff, BLOCKS), SPLITS=1, **common)
     up_warps, down_warps = warps_for(ROWS, qtype), warps_for(DOWN_ROWS)
     return [("gate/up", compile_sass(_gate_up_kernel, gate_up, up_warps),
              ROWS * step_weights(qtype, hidden) * 2 // (32 * up_warps)),

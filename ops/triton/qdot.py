@@ -48,6 +48,15 @@ def step_blocks(num_cols: int, blocks: int = 0) -> int:
     return (n | 8) & -(n | 8)
 
 
+def split_k(num_cols: int, qtype: QType, most: int) -> int:
+    """The most programs, at most `most`, that can share a row of `num_cols` columns in `qtype`, each taking whole
+    blocks of the same count (super-blocks of 256 for the K-quants, blocks of 32 for the others)."""
+    blocks = num_cols // (256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32)
+    if blocks == 0:
+        return 1
+    return max(s for s in range(1, max(1, most) + 1) if blocks % s == 0)
+
+
 @triton.jit
 def read_place(col, FMT: tl.constexpr):
     """Natural column indices -> (where the kernel of format FMT reads them, the factor 2**-e

@@ -23,7 +23,7 @@ from ops.triton.down import _down_kernel  # noqa: E402
 from ops.triton.fused import _gated_act_kernel, _sandwich_kernel  # noqa: E402
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
-from ops.triton.qdot import KERNEL_TYPES, step_blocks  # noqa: E402
+from ops.triton.qdot import KERNEL_TYPES, split_k, step_blocks  # noqa: E402
 from tools.sass_loops import NVDISASM, compile_sm90, weight_loops  # noqa: E402
 
 
@@ -60,7 +60,8 @@ def test_gate_up_and_down_compile_for_sm90(variant: tuple[QType, str, bool, int]
                           WINDOW=64, GROUP=16, FILL=True, COPY=1024, ACT=ACTIVATIONS[activation], BIAS=biases,
                           BLOCKS=step_blocks(hidden, blocks)))
     compile_for_sm90(_down_kernel, {}, dict(DOWN_FMT=int(qtype), FF=ff, BT=2, BR=32, WINDOW=64, FILL=True,
-                                            COPY=1024, BIAS=biases, BLOCKS=step_blocks(ff, blocks)))
+                                            COPY=1024, BIAS=biases, BLOCKS=step_blocks(ff, blocks),
+                                            SPLITS=split_k(ff, qtype, 3)))
 
 
 @needs_backend
