@@ -4,9 +4,9 @@ rows, the launcher's warps, `qdot.step_blocks`' blocks a step), disassembled wit
 loop's instructions counted by kind, with the instructions per weight of the loop that reads the weights (the loop
 with the most global loads). A static count: what a change to `ops/triton/qdot.py` costs or saves per weight before a
 lease times it.
-BLOCKS=N sets the 32-block formats' blocks a step. Needs Triton's CUDA backend (not its interpreter); CPU CI checks
-the loops' spills with it (tests/ops/test_triton_compile.py).
-Usage: [BLOCKS=N] python -m tools.sass_loops [FORMAT ...]   (default: every format with a decode kernel)"""
+BLOCKS=N sets the 32-block formats' blocks a step, STAGES=N the weight loops' pipeline stages (1: none). Needs
+Triton's CUDA backend (not its interpreter); CPU CI checks the loops' spills with it (tests/ops/test_triton_compile.py).
+Usage: [BLOCKS=N] [STAGES=N] python -m tools.sass_loops [FORMAT ...]   (default: every format with a decode kernel)"""
 
 import collections
 import os
@@ -30,6 +30,7 @@ from ops.triton.qdot import KERNEL_TYPES, step_blocks
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 ROWS, DOWN_ROWS = 16, 32
 BLOCKS = int(os.environ.get("BLOCKS", "0"))  # blocks of 32 a step of the 32-block formats (0: the default)
+STAGES = int(os.environ.get("STAGES", "1"))  # the weight loops' software pipeline (`qdot.rows_dot`)
 # each format on a preset's shape: hidden and ff sizes, expert math (the gpt-oss one with biases)
 SHAPES = {QType.Q4_K: (2048, 768, "silu"), QType.Q5_K: (2048, 768, "silu"), QType.Q6_K: (2048, 768, "silu"),
           QType.Q8_0: (2048, 1408, "silu"), QType.Q4_0: (2816, 704, "gelu"), QType.MXFP4: (2880, 2880, "swiglu_oai")}
@@ -73,7 +74,7 @@ def step_weights(qtype: QType, cols: int) -> int:
 def kernels(qtype: QType) -> list[tuple[str, str, int]]:
     """(kernel, its SASS, the weights a thread reads a step)."""
     hidden, ff, activation = SHAPES[qtype]
-    common = dict(WINDOW=64, FILL=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1)
+    common = dict(WINDOW=64, FILL=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1, STAGES=STAGES)
     gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BR=ROWS, GROUP=16,
                    ACT=ACTIVATIONS[activation], BLOCKS=step_blocks(hidden, BLOCKS), **common)
     down = dict(DOWN_FMT=int(qtype), FF=ff, BR=DOWN_ROWS, BLOCKS=step_blocks(ff, BLOCKS), SPLITS=1, **common)

@@ -30,7 +30,7 @@ def _down_kernel(
     y, y_stride, y_split_stride, hidden, magic, fill_flags, host_down_ptrs, down_biases,
     DOWN_FMT: tl.constexpr, FF: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, FILL: tl.constexpr, COPY: tl.constexpr,
-    BIAS: tl.constexpr, BLOCKS: tl.constexpr, SPLITS: tl.constexpr,
+    BIAS: tl.constexpr, BLOCKS: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr,
 ):
     # program (pair position, block of BR rows of hidden, split of ff); only the first pair of each expert works.
     # Split s reads columns [s KS, (s + 1) KS) of the rows (whole blocks: the bytes of a row are in column order)
@@ -49,7 +49,9 @@ def _down_kernel(
     positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
     bias = 0.0
     if BIAS:  # the expert's row of the biases `[experts, hidden]`, added by the first split
-        bias = tl.where(split == 0, tl.load(down_biases + safe.to(tl.int64) * hidden + safe_rows), 0.0)
+        bias = tl.load(down_biases + safe.to(tl.int64) * hidden + safe_rows)
+        if SPLITS > 1:
+            bias = tl.where(split == 0, bias, 0.0)
     if FILL:
         if filling & (count > 0):  # the leader of a streamed miss first copies the rows it computes
             row0 = tl.program_id(1) * BR
@@ -57,10 +59,11 @@ def _down_kernel(
             tl.debug_barrier()  # NOTE: the rows are in VRAM before any thread of the program reads them
     # a skipped pair's row is 0, so that every row of y is written and the per-token sum needs no
     # table lookups
-    y += split.to(tl.int64) * y_split_stride
-    h += split * KS
-    hs += split * (KS // 16)
-    down_addr += split * (down_row_bytes // SPLITS)
+    if SPLITS > 1:
+        y += split.to(tl.int64) * y_split_stride
+        h += split * KS
+        hs += split * (KS // 16)
+        down_addr += split * (down_row_bytes // SPLITS)
     skipped = y + pid.to(tl.int64) * y_stride + rows
     tl.store(skipped, tl.zeros([BR], tl.float32), mask=tl.where(is_valid, False, rmask))
     for start in range(0, count, BT):
@@ -71,7 +74,7 @@ def _down_kernel(
             down_addr, down_addr, safe_rows, down_row_bytes,
             h + p0 * h_stride, h + p1 * h_stride, h + p2 * h_stride, h + p3 * h_stride,
             hs + p0 * hs_stride, hs + p1 * hs_stride, hs + p2 * hs_stride, hs + p3 * hs_stride,
-            magic, DOWN_FMT, KS, BT, False, BLOCKS)
+            magic, DOWN_FMT, KS, BT, False, BLOCKS, STAGES)
         _store_y(y, y_stride, p0, h0 > 0, weights, rows, rmask, a0, bias, BIAS)
         if BT > 1:
             _store_y(y, y_stride, p1, h1 > 0, weights, rows, rmask, a1, bias, BIAS)
@@ -82,7 +85,8 @@ def _down_kernel(
 
 def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 tables: ExpertTables, y: torch.Tensor, block_tokens: int = 1, block_rows: int = 32,
-                num_warps: int | None = None, fill: Fill | None = None, blocks: int = 0, splits: int = 1) -> None:
+                num_warps: int | None = None, fill: Fill | None = None, blocks: int = 0, splits: int = 1,
+                stages: int = 1) -> None:
     """y[p] = weights[p] * (down_e(h[p]) + the tables' down bias of e) for each computed pair p, 0 for a skipped
     pair. h float32
     `[pairs, ff]` prepared for the down format (`prepare.launch_prepare`), h_sums `[pairs, ff // 16]`
@@ -90,7 +94,7 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
     experts whose flag is set are first copied from host memory (`ops.triton.stage`). blocks: the 32-block formats'
     blocks a step (`qdot.step_blocks`, 0: its default). splits: programs sharing each row's columns (`split_k`, 1
     with `fill`), each writing its partial sums to a plane of y `[splits, pairs, hidden]` (y `[pairs, hidden]` where
-    1), which `launch_combine` adds in plane order."""
+    1), which `launch_combine` adds in plane order. stages: the weight loop's pipeline (`qdot.rows_dot`'s STAGES)."""
     if not has_kernel(tables.down_type):
         raise ValueError(f"no down kernel for {tables.down_type.name}")
     num_pairs, device = expert_ids.shape[0], tables.device
@@ -124,6 +128,6 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
         fill.flags if fill is not None else expert_ids, (fill.host if fill is not None else tables).down_ptrs, biases,
         DOWN_FMT=int(tables.down_type), FF=tables.ff,
         BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs), FILL=fill is not None, COPY=COPY_BLOCK,
-        BIAS=down_bias is not None, BLOCKS=step_blocks(tables.ff // splits, blocks), SPLITS=splits,
+        BIAS=down_bias is not None, BLOCKS=step_blocks(tables.ff // splits, blocks), SPLITS=splits, STAGES=stages,
         num_warps=num_warps or warps_for(block_rows),
     )

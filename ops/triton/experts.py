@@ -35,14 +35,16 @@ _table_cache: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
 class LaunchConfig:
     """Block shapes: rows of ff (gate/up) and of hidden (down) per program, pairs of one expert per
     pass over its weights (None: by the number of tokens), blocks of 32 a step of the 32-block formats (0: by the
-    row, `qdot.step_blocks`), and at most how many programs share a down row's columns (`qdot.split_k`; 1 where
-    experts are copied in by the kernels)."""
+    row, `qdot.step_blocks`), at most how many programs share a down row's columns (`qdot.split_k`; 1 where
+    experts are copied in by the kernels), and the stages of the weight loops' software pipeline (`qdot.rows_dot`;
+    1: none)."""
 
     gate_up_rows: int = 16
     down_rows: int = 32
     block_tokens: int | None = None
     blocks: int = 0
     down_splits: int = 1
+    stages: int = 1
 
 
 DEFAULT_CONFIG = LaunchConfig()
@@ -92,7 +94,7 @@ def _ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, wei
     y = torch.empty((splits, expert_ids.shape[0], tables.hidden), dtype=torch.float32, device=tables.device)
     if has_kernel(tables.down_type):
         launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens,
-                    block_rows=config.down_rows, fill=fill, blocks=config.blocks, splits=splits)
+                    block_rows=config.down_rows, fill=fill, blocks=config.blocks, splits=splits, stages=config.stages)
     else:
         down_fallback(h, expert_ids, weights, tables, y[0])
     return y
@@ -112,7 +114,8 @@ def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
         x_gate, x_sums = (prepared.x, prepared.sums) if prepared is not None else launch_prepare(x, tables.gate_type)
         x_up = x_gate if tables.up_type == tables.gate_type else launch_prepare(x, tables.up_type)[0]
         launch_gate_up(x_gate, x_up, x_sums, token_ids, expert_ids, tables, h, h_sums,
-                       block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill, blocks=config.blocks)
+                       block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill, blocks=config.blocks,
+                       stages=config.stages)
     else:
         gate_up_fallback(x, token_ids, expert_ids, tables, h)
         if has_kernel(tables.down_type):

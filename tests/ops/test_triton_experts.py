@@ -72,6 +72,7 @@ class Case:
     biases: bool = False
     blocks: int = 0  # blocks of 32 a step of the 32-block formats (0: by the row)
     down_splits: int = 1  # programs sharing a down row's columns (at most)
+    stages: int = 1  # the weight loops' software pipeline
 
 
 def random_math(case: Case, generator: torch.Generator) -> ExpertMath:
@@ -140,7 +141,7 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     poison_allocator(device, 64 << 20)
     grouped_expert_ffn(x.to(device), token_ids.to(device), expert_ids.to(device), weights.to(device), tables,
                        out=out, config=LaunchConfig(case.gate_up_rows, case.down_rows, case.block_tokens, case.blocks,
-                                                     case.down_splits))
+                                                     case.down_splits, case.stages))
     assert out.isfinite().all(), "unwritten or non-finite outputs"
     error = relative_error(out, ref)
     assert error < RTOL, f"{case}: relative error {error:.2e}"
@@ -228,6 +229,15 @@ def test_more_blocks_a_step(types: tuple[QType, QType, QType], blocks: int, shap
     case = Case(types, 3, torch.bfloat16, hidden=shape[0], ff=shape[1], num_experts=8, top_k=4, biases=True,
                 blocks=blocks)
     run_case(case, CUDA, seed=int(torch.randint(1 << 30, ())))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8])
+@pytest.mark.parametrize("types", FORMATS[:-1], ids=lambda t: "-".join(q.name for q in t))
+def test_pipelined_weight_loops(types: tuple[QType, QType, QType], num_tokens: int) -> None:
+    """`LaunchConfig.stages`: the weight loops' words copied ahead into shared memory, the same result."""
+    run_case(Case(types, num_tokens, torch.bfloat16, hidden=2048, ff=768, num_experts=16, top_k=8, stages=3), CUDA,
+             seed=int(torch.randint(1 << 30, ())))
 
 
 @pytest.mark.gpu
@@ -417,10 +427,13 @@ INTERPRETER_CASES = [
          gate_up_rows=32, biases=True, down_splits=2),
     Case((QType.Q4_0, QType.MXFP4, QType.Q8_0), num_tokens=2, hidden=256, ff=160, num_experts=3, top_k=2,
          gate_up_rows=32, down_splits=5),
+    # the weight loops pipelined (what the interpreter runs is the loop itself)
+    Case((QType.Q4_K,) * 3, num_tokens=2, hidden=512, ff=256, num_experts=3, top_k=2, gate_up_rows=32, stages=3),
 ]
 INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens} {c.activation}"
                        f"{' biases' if c.biases else ''}{f' blocks={c.blocks}' if c.blocks else ''}"
-                       f"{f' down_splits={c.down_splits}' if c.down_splits > 1 else ''}",
+                       f"{f' down_splits={c.down_splits}' if c.down_splits > 1 else ''}"
+                       f"{f' stages={c.stages}' if c.stages > 1 else ''}",
                        lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("bf16 out", lambda seed: check_16bit_out(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
 INTERPRETER_CHECKS.append(("prepared x",
