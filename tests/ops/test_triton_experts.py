@@ -28,6 +28,7 @@ from ops.expert_math import ExpertMath
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
 from ops.triton import ExpertTables, LaunchConfig, expert_ffn_triton, grouped_expert_ffn, tables_from_bank  # noqa: E402
+from ops.triton.down import launch_down  # noqa: E402
 from ops.triton.experts import gate_format  # noqa: E402
 from ops.triton.prepare import Prepared, launch_prepare  # noqa: E402
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
@@ -372,6 +373,11 @@ def test_launcher_rejects_bad_inputs() -> None:
     host = random_bank(case, generator)  # pageable host memory: not readable by the GPU
     with pytest.raises(ValueError, match="cannot be read"):
         expert_ffn_triton(x, token_ids, expert_ids, weights, host)
+    tables, pairs = tables_from_bank(device_bank, CUDA), expert_ids.shape[0]
+    h, h_sums = torch.zeros(pairs, case.ff, device=CUDA), torch.zeros(pairs, case.ff // 16, device=CUDA)
+    y = torch.empty(2, pairs, case.hidden, device=CUDA)
+    with pytest.raises(ValueError, match="splits 2"):  # ff 256: one Q4_K super-block, not two
+        launch_down(h, h_sums, expert_ids, weights, tables, y, splits=2)
 
 
 # --- anywhere -----------------------------------------------------------------------------------------
