@@ -6,7 +6,9 @@ with the most global loads). A static count: what a change to `ops/triton/qdot.p
 lease times it.
 BLOCKS=N sets the 32-block formats' blocks a step, STAGES=N the weight loops' pipeline stages (1: none). Needs
 Triton's CUDA backend (not its interpreter); CPU CI checks the loops' spills with it (tests/ops/test_triton_compile.py).
-Usage: [BLOCKS=N] [STAGES=N] python -m tools.sass_loops [FORMAT ...]   (default: every format with a decode kernel)"""
+With PREFILL=1, the prefill's tensor-core GEMMs instead (`ops.triton.moe_gemm`, gate/up and down, its default tiles at
+32 pairs a tile): the same counts for their K loops.
+Usage: [BLOCKS=N] [STAGES=N] [PREFILL=1] python -m tools.sass_loops [FORMAT ...]  (default: every kernel format)"""
 
 import collections
 import os
@@ -23,6 +25,7 @@ from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped, i
 from triton.compiler import ASTSource  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.quants import QType
+from ops.triton import moe_gemm
 from ops.triton.down import _down_kernel
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel, warps_for
 from ops.triton.qdot import KERNEL_TYPES, step_blocks
@@ -41,6 +44,9 @@ INT64 = {"token_ids", "expert_ids", "gate_ptrs", "up_ptrs", "down_ptrs", "host_g
 FLOAT32 = {"x_gate", "x_up", "x_sums", "h", "hs", "gate_biases", "up_biases", "down_biases", "weights", "y", "out",
            "sums"}
 SCALARS = {"alpha": "fp32", "limit": "fp32"}  # the expert math's (clamped SwiGLU)
+PREFILL_TYPES = {"x": "*bf16", "h": "*bf16", "gate": "*u8", "up": "*u8", "down": "*u8", "order": "*i32", "ends": "*i32",
+                 "tile_ends": "*i32", "by_token": "*i32", "token_ends": "*i32", "key": "*i32", "gate_bias": "*fp32",
+                 "up_bias": "*fp32", "down_bias": "*fp32", **SCALARS}  # `ops.triton.moe_gemm`'s arguments
 
 
 def compile_sm90(kernel: triton.JITFunction, types: Mapping[str, str], constexprs: Mapping[str, object],
@@ -59,8 +65,9 @@ def compile_sm90(kernel: triton.JITFunction, types: Mapping[str, str], constexpr
     return triton.compile(source, target=SM90, options={"num_warps": num_warps})
 
 
-def compile_sass(kernel: triton.JITFunction, constexprs: Mapping[str, object], warps: int) -> str:
-    compiled = compile_sm90(kernel, SCALARS, constexprs, warps)
+def compile_sass(kernel: triton.JITFunction, constexprs: Mapping[str, object], warps: int,
+                 types: Mapping[str, str] = SCALARS) -> str:
+    compiled = compile_sm90(kernel, types, constexprs, warps)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -83,6 +90,20 @@ def kernels(qtype: QType) -> list[tuple[str, str, int]]:
              ROWS * step_weights(qtype, hidden) * 2 // (32 * up_warps)),
             ("down", compile_sass(_down_kernel, down, down_warps),
              DOWN_ROWS * step_weights(qtype, ff) // (32 * down_warps))]
+
+
+def prefill_kernels(qtype: QType) -> list[tuple[str, str, int]]:
+    """`kernels` for the prefill's GEMMs (`ops.triton.moe_gemm`, its default tiles, 32 pairs a tile)."""
+    _, _, activation = SHAPES[qtype]
+    config, biases = moe_gemm.MoeGemmConfig(), activation == "swiglu_oai"
+    tiles = dict(BM=32, BN=config.block_n, BK=config.block_k, E_POW2=128, INTERPRET=False)
+    gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), ACT=ACTIVATIONS[activation], GATE_BIAS=biases,
+                   UP_BIAS=biases, **tiles)
+    down = dict(BIAS=biases, DOWN_FMT=int(qtype), **tiles)
+    weights = config.block_n * config.block_k // (32 * config.num_warps)
+    return [("prefill gate/up", compile_sass(moe_gemm._gate_up_kernel, gate_up, config.num_warps, PREFILL_TYPES),
+             2 * weights),
+            ("prefill down", compile_sass(moe_gemm._down_kernel, down, config.num_warps, PREFILL_TYPES), weights)]
 
 
 def loops(text: str) -> list[list[str]]:
@@ -126,10 +147,11 @@ class Loop:
                 f"{dict(self.kinds.most_common(8))}")
 
 
-def weight_loops(qtype: QType) -> list[Loop]:
-    """The format's gate/up and down loops that read the weights (the innermost loop with the most global loads)."""
+def weight_loops(qtype: QType, prefill: bool = False) -> list[Loop]:
+    """The format's gate/up and down loops that read the weights (the innermost loop with the most global loads), of
+    the decode kernels or (`prefill`) the prefill's GEMMs."""
     found = []
-    for name, text, per_thread in kernels(qtype):
+    for name, text, per_thread in (prefill_kernels if prefill else kernels)(qtype):
         loop = max(loops(text), key=lambda s: sum(n.startswith("LDG") for n in s))
         found.append(Loop(qtype, name, len(loop), per_thread, collections.Counter(n.split(".")[0] for n in loop)))
     return found
@@ -137,7 +159,7 @@ def weight_loops(qtype: QType) -> list[Loop]:
 
 def main() -> None:
     for qtype in [QType.__members__[n] for n in sys.argv[1:]] or KERNEL_TYPES:
-        for loop in weight_loops(qtype):
+        for loop in weight_loops(qtype, os.environ.get("PREFILL") == "1"):
             print(loop)
 
 
