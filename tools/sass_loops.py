@@ -24,6 +24,7 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from triton.compiler import ASTSource  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
+from ops import quants
 from ops.quants import QType
 from ops.triton import moe_gemm
 from ops.triton.down import _down_kernel
@@ -50,9 +51,11 @@ PREFILL_TYPES = {"x": "*bf16", "h": "*bf16", "gate": "*u8", "up": "*u8", "down":
 
 
 def compile_sm90(kernel: triton.JITFunction, types: Mapping[str, str], constexprs: Mapping[str, object],
-                 num_warps: int = 2) -> Any:
+                 num_warps: int = 2, values: Mapping[str, int] | None = None, num_stages: int = 3) -> Any:
     """The kernel compiled for sm90 (no GPU needed). `types`: the arguments whose types differ from the defaults
-    above (by name); the rest are i32."""
+    above (by name); the rest are i32. Specialized as a launch specializes it: every pointer 16-byte aligned (torch's
+    allocations are), and each integer of `values` (its value at the launch modelled) that is a multiple of 16 known
+    to be one (NOTE: without this, byte loads that a launch compiles to 16-byte copies stay byte loads)."""
     def kind(name: str) -> str:
         if name in constexprs:
             return "constexpr"
@@ -60,14 +63,18 @@ def compile_sm90(kernel: triton.JITFunction, types: Mapping[str, str], constexpr
             return types[name]
         return POINTER_DTYPES.get(name) or ("*i64" if name in INT64 else "*fp32" if name in FLOAT32 else "i32")
 
-    source = ASTSource(fn=kernel, signature={name: kind(name) for name in kernel.arg_names},
-                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(source, target=SM90, options={"num_warps": num_warps})
+    signature = {name: kind(name) for name in kernel.arg_names}
+    aligned = [name for name, sort in signature.items()
+               if sort.startswith("*") or (values or {}).get(name, 1) % 16 == 0]
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+                       attrs={(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned})
+    return triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def compile_sass(kernel: triton.JITFunction, constexprs: Mapping[str, object], warps: int,
-                 types: Mapping[str, str] = SCALARS) -> str:
-    compiled = compile_sm90(kernel, types, constexprs, warps)
+                 values: Mapping[str, int], types: Mapping[str, str] = SCALARS, num_stages: int = 3) -> str:
+    compiled = compile_sm90(kernel, types, constexprs, warps, values, num_stages)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -78,17 +85,34 @@ def step_weights(qtype: QType, cols: int) -> int:
     return 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32 * step_blocks(cols, BLOCKS)
 
 
+def row_bytes(qtype: QType, cols: int) -> int:
+    fmt = quants.format_of(qtype)
+    return cols // fmt.block_size * fmt.type_size
+
+
+def launch_values(qtype: QType, top_k: int = 8) -> dict[str, int]:
+    """The integers the decode and prefill launches pass at batch 1 (one expert matrix's strides, row bytes, sizes)."""
+    hidden, ff, _ = SHAPES[qtype]
+    gate_row, down_row = row_bytes(qtype, hidden), row_bytes(qtype, ff)
+    return dict(x_stride=hidden, sums_stride=hidden // 16, num_tokens=1, num_pairs=top_k, num_experts=128,
+                gate_row_bytes=gate_row, up_row_bytes=gate_row, down_row_bytes=down_row, h_stride=ff,
+                hs_stride=ff // 16, ff=ff, hidden=hidden, y_stride=hidden, y_split_stride=top_k * hidden,
+                gate_row=gate_row, up_row=gate_row, down_row=down_row, gate_estride=ff * gate_row,
+                up_estride=ff * gate_row, down_estride=hidden * down_row)
+
+
 def kernels(qtype: QType) -> list[tuple[str, str, int]]:
     """(kernel, its SASS, the weights a thread reads a step)."""
     hidden, ff, activation = SHAPES[qtype]
+    values = launch_values(qtype)
     common = dict(WINDOW=64, FILL=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1, STAGES=STAGES)
     gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BR=ROWS, GROUP=16,
                    ACT=ACTIVATIONS[activation], BLOCKS=step_blocks(hidden, BLOCKS), **common)
     down = dict(DOWN_FMT=int(qtype), FF=ff, BR=DOWN_ROWS, BLOCKS=step_blocks(ff, BLOCKS), SPLITS=1, **common)
     up_warps, down_warps = warps_for(ROWS, qtype), warps_for(DOWN_ROWS)
-    return [("gate/up", compile_sass(_gate_up_kernel, gate_up, up_warps),
+    return [("gate/up", compile_sass(_gate_up_kernel, gate_up, up_warps, values),
              ROWS * step_weights(qtype, hidden) * 2 // (32 * up_warps)),
-            ("down", compile_sass(_down_kernel, down, down_warps),
+            ("down", compile_sass(_down_kernel, down, down_warps, values),
              DOWN_ROWS * step_weights(qtype, ff) // (32 * down_warps))]
 
 
@@ -101,9 +125,10 @@ def prefill_kernels(qtype: QType) -> list[tuple[str, str, int]]:
                    UP_BIAS=biases, **tiles)
     down = dict(BIAS=biases, DOWN_FMT=int(qtype), **tiles)
     weights = config.block_n * config.block_k // (32 * config.num_warps)
-    return [("prefill gate/up", compile_sass(moe_gemm._gate_up_kernel, gate_up, config.num_warps, PREFILL_TYPES),
+    values, warps, stages = launch_values(qtype), config.num_warps, config.num_stages
+    return [("prefill gate/up", compile_sass(moe_gemm._gate_up_kernel, gate_up, warps, values, PREFILL_TYPES, stages),
              2 * weights),
-            ("prefill down", compile_sass(moe_gemm._down_kernel, down, config.num_warps, PREFILL_TYPES), weights)]
+            ("prefill down", compile_sass(moe_gemm._down_kernel, down, warps, values, PREFILL_TYPES, stages), weights)]
 
 
 def loops(text: str) -> list[list[str]]:

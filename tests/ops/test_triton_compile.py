@@ -126,7 +126,7 @@ def test_gated_act_compiles_for_sm90(gelu: bool) -> None:
 
 
 # the decode loops that spill today (tools.sass_loops, docs/kernels.md), at most this many local loads a step
-SPILLS = {(QType.Q6_K, "gate/up"): 246, (QType.Q8_0, "gate/up"): 153, (QType.Q6_K, "down"): 8}
+SPILLS = {(QType.Q6_K, "gate/up"): 246, (QType.Q8_0, "gate/up"): 209, (QType.Q6_K, "down"): 8}
 
 
 @needs_backend
