@@ -85,15 +85,10 @@ def step_weights(qtype: QType, cols: int) -> int:
     return 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32 * step_blocks(cols, BLOCKS)
 
 
-def row_bytes(qtype: QType, cols: int) -> int:
-    fmt = quants.format_of(qtype)
-    return cols // fmt.block_size * fmt.type_size
-
-
 def launch_values(qtype: QType, top_k: int = 8) -> dict[str, int]:
     """The integers the decode and prefill launches pass at batch 1 (one expert matrix's strides, row bytes, sizes)."""
     hidden, ff, _ = SHAPES[qtype]
-    gate_row, down_row = row_bytes(qtype, hidden), row_bytes(qtype, ff)
+    gate_row, down_row = quants.row_bytes(qtype, hidden), quants.row_bytes(qtype, ff)
     return dict(x_stride=hidden, sums_stride=hidden // 16, num_tokens=1, num_pairs=top_k, num_experts=128,
                 gate_row_bytes=gate_row, up_row_bytes=gate_row, down_row_bytes=down_row, h_stride=ff,
                 hs_stride=ff // 16, ff=ff, hidden=hidden, y_stride=hidden, y_split_stride=top_k * hidden,

@@ -90,7 +90,7 @@ def _ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, wei
     """y `[splits, pairs, hidden]`: each pair's weighted down(act(gate x, up x)) (the tables' math), in partial
     sums over ff (`LaunchConfig.down_splits`), 0 for skipped pairs."""
     h, h_sums = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens, fill, prepared)
-    splits = split_k(tables.ff, tables.down_type, config.down_splits) if fill is None else 1
+    splits = split_k(tables.ff, tables.down_type, config.down_splits) if fill is None and config.down_splits > 1 else 1
     y = torch.empty((splits, expert_ids.shape[0], tables.hidden), dtype=torch.float32, device=tables.device)
     if has_kernel(tables.down_type):
         launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens,

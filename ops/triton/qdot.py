@@ -20,6 +20,8 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from gguf import GGMLQuantizationType
 
+from ops.quants import format_of
+
 QType = GGMLQuantizationType
 
 Q4_K = tl.constexpr(int(QType.Q4_K))
@@ -51,7 +53,7 @@ def step_blocks(num_cols: int, blocks: int = 0) -> int:
 def split_k(num_cols: int, qtype: QType, most: int) -> int:
     """The most programs, at most `most`, that can share a row of `num_cols` columns in `qtype`, each taking whole
     blocks of the same count (super-blocks of 256 for the K-quants, blocks of 32 for the others)."""
-    blocks = num_cols // (256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32)
+    blocks = num_cols // format_of(qtype).block_size
     if blocks == 0:
         return 1
     return max(s for s in range(1, max(1, most) + 1) if blocks % s == 0)

@@ -24,7 +24,7 @@ from ops.triton.fused import _gated_act_kernel, _sandwich_kernel  # noqa: E402
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
 from ops.triton.qdot import KERNEL_TYPES, split_k, step_blocks  # noqa: E402
-from tools.sass_loops import NVDISASM, compile_sm90, weight_loops  # noqa: E402
+from tools.sass_loops import NVDISASM, PREFILL_TYPES, compile_sm90, weight_loops  # noqa: E402
 
 
 def compile_for_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 2) -> None:
@@ -74,9 +74,6 @@ def test_prepare_compiles_for_sm90(qtype: QType) -> None:
 
 
 # the fused prefill GEMMs (`ops.triton.moe_gemm`): every format with the plain math, gpt-oss's and Gemma's maths
-MOE_GEMM_TYPES = {"x": "*bf16", "h": "*bf16", "gate": "*u8", "up": "*u8", "down": "*u8", "order": "*i32",
-                  "ends": "*i32", "tile_ends": "*i32", "by_token": "*i32", "token_ends": "*i32", "key": "*i32",
-                  "gate_bias": "*fp32", "up_bias": "*fp32", "down_bias": "*fp32", "alpha": "fp32", "limit": "fp32"}
 MOE_GEMM_VARIANTS = [(t, "silu", False) for t in moe_gemm.KERNEL_TYPES] + \
     [(QType.MXFP4, "swiglu_oai", True), (QType.Q4_K, "gelu", True)]
 
@@ -87,16 +84,16 @@ def test_moe_gemm_compiles_for_sm90(variant: tuple[QType, str, bool]) -> None:
     qtype, activation, biases = variant
     config = moe_gemm.MoeGemmConfig()
     tiles = dict(BM=32, BN=config.block_n, BK=config.block_k, E_POW2=128, INTERPRET=False)
-    compile_for_sm90(moe_gemm._gate_up_kernel, MOE_GEMM_TYPES,
+    compile_for_sm90(moe_gemm._gate_up_kernel, PREFILL_TYPES,
                      dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), ACT=ACTIVATIONS[activation], GATE_BIAS=biases,
                           UP_BIAS=biases, **tiles), config.num_warps)
-    compile_for_sm90(moe_gemm._down_kernel, MOE_GEMM_TYPES, dict(BIAS=biases, DOWN_FMT=int(qtype), **tiles),
+    compile_for_sm90(moe_gemm._down_kernel, PREFILL_TYPES, dict(BIAS=biases, DOWN_FMT=int(qtype), **tiles),
                      config.num_warps)
 
 
 @needs_backend
 def test_moe_gemm_sum_compiles_for_sm90() -> None:
-    compile_for_sm90(moe_gemm._sum_kernel, MOE_GEMM_TYPES, dict(BH=moe_gemm.SUM_COLS))
+    compile_for_sm90(moe_gemm._sum_kernel, PREFILL_TYPES, dict(BH=moe_gemm.SUM_COLS))
 
 
 @needs_backend
