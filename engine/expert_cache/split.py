@@ -266,14 +266,17 @@ class SplitSearch:
     fastest's untimed neighbours (shares `delta` either side) beside the fastest itself, while one beats it. A
     phase's candidates take turns for `rounds` rounds, each turn `settle` steps that still ran (part of) the one
     before, then `steps_per_round` timed ones; the median of a candidate's timed steps in its last phase is its time.
+    `local`: a search from a split already timed (a later one) skips both ends and starts from the prior's
+    neighbours, so a search of warm steps does not run (say) every miss on the CPU where streaming them is fastest.
     Plain Python: `observe` takes each decode step's seconds a token."""
 
     def __init__(self, prior: tuple[float, float], others: Sequence[tuple[float, float]] = (), rounds: int = 3,
-                 steps_per_round: int = 2, settle: int = 2, delta: float = 0.1) -> None:
+                 steps_per_round: int = 2, settle: int = 2, delta: float = 0.1, local: bool = False) -> None:
         self.rounds, self.steps_per_round, self.settle, self.delta = rounds, steps_per_round, settle, delta
         self.best, self.best_seconds = prior, math.inf
         self.times: dict[tuple[float, float], float] = {}  # every candidate timed so far, in its last phase
-        self._start(list(dict.fromkeys((prior, *others, (0.0, 0.0), (1.0, 0.0)))))
+        ends = self._neighbours(prior) if local else [(0.0, 0.0), (1.0, 0.0)]
+        self._start(list(dict.fromkeys((prior, *others, *ends))))
 
     def _start(self, phase: list[tuple[float, float]]) -> None:
         self._phase, self._turn = phase, 0
@@ -414,8 +417,9 @@ class Split:
         later = self._later_seconds(work) / max(num_tokens, 1)
         self._remodel(work)
         if self.search is not None and self.search.is_done and self._steps >= self._search_at:
-            # NOTE: from the split running now, the model's as it stands among the others
-            self.search = SplitSearch((self.share, self.lead), [self.model])
+            # NOTE: from the split running now, the model's as it stands among the others; local: a search of step
+            # 256 that timed both ends again ran every miss on the CPU for 12 steps of a warm cache's measured run
+            self.search = SplitSearch((self.share, self.lead), [self.model], local=True)
             self._search_at = self._steps + self.research
         assert self.search is not None
         following = self.search.observe(seconds_per_token + later)

@@ -65,8 +65,16 @@ def test_a_new_search_starts_from_the_running_split_with_the_models_among_the_ot
     split.model = (0.5, 0.5)  # as the CPU's re-measured rate would move it
     for _ in range(100):  # the search of step 120, the next one not before step 240
         split.update(CpuWork(), seconds())
-    assert split.search.is_done and set(split.search.times) >= {(0.5, 0.5), (1.0, 0.0)}
+    assert split.search.is_done and set(split.search.times) >= {(0.5, 0.5), (0.1, 0.0)}
+    assert (1.0, 0.0) not in split.search.times  # a later search is local: the far end is not run again
     assert (split.share, split.lead) == (0.0, 0.0)
+
+
+def test_a_later_search_times_the_running_split_its_neighbours_and_the_models_only() -> None:
+    search = SplitSearch((1.0, 0.0), [(0.94, 0.0)], local=True)
+    ran = drive(search, lambda split: 1e-3 * (1 + (1 - split[0])), 200)  # streaming every miss is fastest
+    assert set(ran) == {(1.0, 0.0), (0.94, 0.0), (0.9, 0.0)} and search.is_done and search.best == (1.0, 0.0)
+    assert len(ran) - ran[::-1].index((0.9, 0.0)) <= 36  # one phase of 3 candidates, then every miss streamed
 
 
 def drive(search: SplitSearch, seconds_of, steps: int) -> list[tuple[float, float]]:  # noqa: ANN001
