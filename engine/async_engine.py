@@ -454,17 +454,31 @@ class AsyncEngine:
 
     def _serve(self, llm: LLMEngine) -> None:
         waiting: set[str] = set()  # admitted, not yet given a KV slot
+        # NOTE: where a step only launches the device's work (CUDA), a step's events reach the loop once the next
+        # step is launched: the loop's work on them (text, SSE or protobuf, socket writes) then runs while the
+        # device computes, not while this thread prepares the next launch and waits for the GIL at each of its
+        # calls into torch
+        held: list[_Events] = []
+
+        def hand_over() -> None:
+            if held:
+                self._post(self._deliver, held.pop())
+
         while True:
             # 1. take commands; block only while idle, so a busy engine never waits for the loop
+            if not llm.has_unfinished():
+                hand_over()
             commands = self._inbox.take(wait=not llm.has_unfinished())
             events = _Events()
             # 2. apply adds and aborts between steps (an aborted request frees its KV slot now)
             if not self._apply(llm, commands, events, waiting):
+                hand_over()
                 self._post(self._deliver, events)
                 return
             # 3. one step: decode tokens first, then chunked prefill (the scheduler's batching)
             events.step_start = time.perf_counter()
-            events.outputs += llm.step()
+            events.outputs += llm.step(on_launched=hand_over)
+            hand_over()  # an empty step launched nothing
             events.ready_at = time.perf_counter()
             # 4. queue time ends for requests that got a KV slot in this step
             events.scheduled = [i for i in waiting if _has_slot(llm, i)]
@@ -473,7 +487,10 @@ class AsyncEngine:
             #    and outputs to the event loop in one call
             self._publish_stats(llm, with_cache=not llm.has_unfinished()
                                 or events.ready_at - self._cache_published >= CACHE_PUBLISH_S)
-            self._post(self._deliver, events)
+            if llm.launches_async:
+                held.append(events)
+            else:
+                self._post(self._deliver, events)
 
     def _apply(self, llm: LLMEngine, commands: list[_Command], events: _Events, waiting: set[str]) -> bool:
         for command in commands:

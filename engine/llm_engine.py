@@ -85,6 +85,7 @@ class LLMEngine:
             check_kv_types(get_arch(self.gguf.architecture).hparams(self.gguf.metadata, vocab_size=0),
                            *config.model.kv_types)
         self.device = resolve_device(config.model.device)
+        self.launches_async = self.device.type == "cuda"  # a step's device work runs on after `forward` launched it
         dtype = resolve_dtype(config.model.dtype, self.device)
         self.weights = load_weights(self.gguf, self.device, dtype, _bytes_progress(progress, self.gguf))
         hp = self.weights.hparams
@@ -143,20 +144,21 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One step; `on_launched` is called once the step's device work is launched (before it is waited for)."""
         sched = self.scheduler.schedule()  # 1. which sequences, which tokens; which ended since the last step
         for request_id in sched.finished_ids:  # 2. the router forgets the ended requests
             self.model.router.release(request_id)
         if sched.is_empty:
             self.cache.flush()
             return []
-        result = self.execute(sched)  # 3. forward + sample on the device
+        result = self.execute(sched, on_launched)  # 3. forward + sample on the device
         outputs = self.update(sched, result)  # 4. tokens -> text; the scheduler's stops applied
         if not self.has_unfinished():
             self.cache.flush()  # idle: the cache's stats include the last step
         return outputs
 
-    def execute(self, sched: SchedulerOutput) -> StepOutput:
+    def execute(self, sched: SchedulerOutput, on_launched: Callable[[], None] | None = None) -> StepOutput:
         start = time.perf_counter()
         spans = [SeqSpan(s.slot, s.start, len(s.token_ids)) for s in sched.seqs]
         keys = [s.request_id for s in sched.seqs for _ in s.token_ids]
@@ -178,7 +180,7 @@ class LLMEngine:
             if logits_from is not None:
                 prompt.update(self._prompt_logprobs(sched, logits, last_rows))
 
-        record = self.forward(spans, [list(s.token_ids) for s in sched.seqs], keys, consume, logits_from)
+        record = self.forward(spans, [list(s.token_ids) for s in sched.seqs], keys, consume, logits_from, on_launched)
         if self.traces is not None:
             self.traces.add_step([(s.request_id, len(s.token_ids)) for s in sched.seqs], record.ids)
         ids = [sched.seqs[i].request_id for i in rows]
@@ -236,14 +238,17 @@ class LLMEngine:
         return torch.cat(rows)
 
     def forward(self, spans: list[SeqSpan], token_ids: list[list[int]], keys: list[str],
-                consume: Callable[[torch.Tensor], None], logits_from: list[int] | None = None) -> StepRecord:
+                consume: Callable[[torch.Tensor], None], logits_from: list[int] | None = None,
+                on_launched: Callable[[], None] | None = None) -> StepRecord:
         """One forward pass with the expert cache's protocol around it; `consume(logits)` reads the logits
         (sampling: it waits for the device). `keys`: the request of each token; `logits_from`: see
-        `ForwardBatch.build`. Returns the step record."""
+        `ForwardBatch.build`; `on_launched`: called once the pass is launched. Returns the step record."""
         self.model.router.begin_step(keys)
         self.cache.prepare_step(len(keys))  # a. the table changes decided during the last step, for the device
         logits = self.runner.forward(spans, token_ids, logits_from)  # b. launched
         self.cache.launched()
+        if on_launched is not None:
+            on_launched()
         # c. while the device computes: the previous step's cache bookkeeping, the router's work ahead
         self.cache.process()
         self.model.router.while_running()

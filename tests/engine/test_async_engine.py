@@ -91,6 +91,53 @@ async def test_concurrent_requests_match_the_sync_engine(engine: AsyncEngine, ti
         run_sync(tiny_gguf, reqs)
 
 
+async def test_a_steps_outputs_reach_the_loop_once_the_next_step_is_launched(tiny_gguf: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where launches are asynchronous (CUDA), the loop's work on step n's outputs overlaps step n + 1 on the device:
+    they are handed over once it is launched, the last step's at once; nothing is lost or reordered."""
+    llm = LLMEngine(config(tiny_gguf))
+    llm.launches_async = True  # as on CUDA: the CPU's forward has run by then, the order is the same
+    log: list[tuple[str, int, tuple[str, ...]]] = []  # the engine thread's order of launches, steps and hand-overs
+    step = llm.step
+
+    def logged_step(on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
+        n = sum(1 for kind, *_ in log if kind == "stepped")
+
+        def launched() -> None:
+            log.append(("launched", n, ()))
+            if on_launched is not None:
+                on_launched()
+
+        outputs = step(on_launched=launched)
+        log.append(("stepped", n, tuple(o.request_id for o in outputs)))
+        return outputs
+
+    monkeypatch.setattr(llm, "step", logged_step)
+    eng = AsyncEngine.from_engine(llm)
+    post = eng._post
+
+    def logged_post(callback: Callable[..., None], *args: Any) -> None:
+        if args and hasattr(args[0], "outputs"):
+            log.append(("handed", -1, tuple(o.request_id for o in args[0].outputs)))
+        post(callback, *args)
+
+    monkeypatch.setattr(eng, "_post", logged_post)
+    await eng.start()
+    reqs = [request(eng, f"r{i}", text) for i, text in enumerate(["Hello there", "Once upon a time"])]
+    results = await asyncio.gather(*(collect(eng, r) for r in reqs))
+    await eng.shutdown()
+    assert {r.request_id: "".join(o.new_text for o in outs) for r, outs in zip(reqs, results)} == \
+        run_sync(tiny_gguf, reqs)
+    stepped = [i for i, (kind, _, ids) in enumerate(log) if kind == "stepped" and ids]
+    assert len(stepped) >= 6
+    for i in stepped:
+        n, ids = log[i][1], log[i][2]
+        handed = next(j for j in range(i + 1, len(log)) if log[j][0] == "handed" and log[j][2])
+        assert log[handed][2] == ids  # the step's outputs, whole and in order
+        following = [j for j, (kind, m, _) in enumerate(log) if kind == "launched" and m == n + 1]
+        assert following and following[0] < handed or not following and log[-1][0] == "handed"
+
+
 async def test_bad_request_raises_from_the_iterator_and_the_engine_goes_on(engine: AsyncEngine) -> None:
     too_long = request(engine, "long", params=SamplingParams(max_tokens=200, temperature=0))
     with pytest.raises(RequestError) as info:
