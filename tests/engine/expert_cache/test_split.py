@@ -269,3 +269,18 @@ def test_at_once_neither_the_link_nor_the_cpu_reads_faster_than_alone() -> None:
     link_both, cpu_both = measure_shared_gbps(link_bank, cpu_bank, device, threads)
     link, cpu = (max(a, b) for a, b in zip(before, alone()))  # alone before and after: a host that got busier
     assert 0 < link_both <= 1.15 * link and 0 < cpu_both <= 1.15 * cpu
+
+
+@pytest.mark.parametrize(("gain", "kept"), [(0.02, (1.0, 0.0)), (0.08, (0.5, 0.0))])
+def test_a_split_must_beat_the_reference_by_the_margin(gain: float, kept: tuple[float, float]) -> None:
+    """Every miss streamed is the reference (a cache holds experts): the model's 0.5 kept only when clearly faster."""
+    seconds = {(1.0, 0.0): 1e-3, (0.0, 0.0): 1.5e-3}
+    search = SplitSearch((0.5, 0.0), reference=(1.0, 0.0), margin=0.03)
+    ran = drive(search, lambda split: seconds.get(split, 1e-3 * (1 - gain + abs(split[0] - 0.5))), 300)
+    assert search.is_done and search.best == kept and ran[-1] == kept
+
+
+def test_with_a_cache_hybrid_streams_every_miss_unless_a_split_is_clearly_faster(bank) -> None:  # noqa: ANN001
+    cached = Split(MissMode("hybrid"), torch.device("cpu"), [bank], False, cached_share=0.25)
+    assert cached.search is not None and cached.search.reference == (1.0, 0.0)
+    assert Split(MissMode("hybrid"), torch.device("cpu"), [bank], False).search.reference is None
