@@ -198,3 +198,29 @@ def test_the_prefill_budget_beside_decodes_follows_where_the_experts_live(tiny_g
     given.reconfigure_cache(CacheConfig(cpu_moe=True, budget_mib=0))
     assert given.scheduler.config.prefill_while_decoding == 32
     given.close()
+
+
+def test_a_steps_decoding_sequences_attend_as_each_alone_beside_a_prompt_chunk(engine: LLMEngine) -> None:
+    """A step that decodes three sequences and prefills a chunk of a fourth: the decoding tokens attend in one launch
+    (`Model.prefill_attention`), each as its own one-token span would."""
+    from engine.model import ForwardBatch, SeqSpan
+    from ops.fused import prefill_attention
+
+    model, kv, hp = engine.model, engine.kv, engine.model.hp
+    generator = torch.Generator().manual_seed(0)
+    for layer in range(hp.num_layers):  # every slot's first 40 positions written
+        k = torch.randn(4 * 40, hp.num_kv_heads, hp.head_dim, generator=generator)
+        slots = torch.arange(4).repeat_interleave(40)
+        kv.write(layer, slots, torch.arange(40).repeat(4), k, torch.randn(k.shape, generator=generator))
+    spans = [SeqSpan(0, 17, 1), SeqSpan(2, 39, 1), SeqSpan(1, 5, 1), SeqSpan(3, 20, 6)]
+    batch = ForwardBatch.build(spans, [[1], [1], [1], [1] * 6], torch.device("cpu"))
+    q = torch.randn(batch.num_tokens, hp.num_heads, hp.head_dim, generator=generator)
+    layer = hp.num_layers - 1
+    got = model.prefill_attention(layer, q, batch, kv, None)
+    row, expected = 0, []
+    for span in spans:
+        keys, values = kv.window(layer, span.end)
+        expected.append(prefill_attention(q[row:row + span.num_tokens], keys, values, span.slot, span.start,
+                                          model.scale, hp.window(layer)))
+        row += span.num_tokens
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
