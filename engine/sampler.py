@@ -45,37 +45,87 @@ def apply_penalties(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on one row `[vocab]`; removed tokens get -inf."""
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, -1) >= params.top_p  # keep the token crossing top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.min_p > 0.0:
+    return filter_rows(logits[None], [params])[0]
+
+
+def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`filter_logits` on rows `[rows, vocab]`, each with its own params, in a few launches for all of them: each
+    row divided by its temperature, then (in this order, each on what the one before left) its top-k (ties of the
+    k-th kept), top-p (the token that crosses top_p kept) and min-p filters; removed tokens get -inf."""
+    device = logits.device
+    column = lambda values: torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # noqa: E731
+    logits = logits / column([p.temperature for p in params])
+    ks = [min(p.top_k, logits.shape[-1]) for p in params]
+    if any(ks):
+        kth = torch.topk(logits, max(ks), dim=-1).values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks],
+                                                                                 device=device)[:, None])
+        has_k = torch.tensor([k > 0 for k in ks], device=device)[:, None]
+        logits = logits.masked_fill(has_k & (logits < kth), float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        drop = probs.cumsum(-1) - probs >= column([p.top_p for p in params])  # a top_p of 1 drops nothing
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
         probs = torch.softmax(logits, -1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        logits = logits.masked_fill(probs < column([p.min_p for p in params]) * probs.amax(-1, keepdim=True),
+                                    float("-inf"))
     return logits
 
 
-def sample_row(logits: torch.Tensor, state: SamplingState) -> int:
-    if state.params.is_greedy:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(filter_logits(logits, state.params), -1)
-    # An exponential race: argmax(p / E) with E ~ Exp(1) draws from p, with noise from the request's
-    # own generator so a seeded request gives the same text whatever it is batched with.
-    noise = torch.empty_like(probs).exponential_(generator=state.generator)
-    return int(torch.argmax(probs / noise))
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """A token per row of `probs` by an exponential race: argmax(p / E) with E ~ Exp(1) draws from p. A row with a
+    generator (a seeded request) draws its noise from it alone, so its text does not depend on its batch; the
+    others draw theirs together."""
+    noise = torch.empty_like(probs)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        noise[shared] = torch.empty((len(shared), probs.shape[-1]), device=probs.device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return torch.argmax(probs / noise, -1)
 
 
-def token_logprob(logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
-    top: tuple[tuple[int, float], ...] = ()
-    if num_top:
-        values, ids = torch.topk(logprobs, num_top)
-        top = tuple(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token, float(logprobs[token]), top)
+def _is_plain_greedy(state: SamplingState) -> bool:
+    p = state.params
+    return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty)
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
+def sample(logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits `[rows, vocab]` float32, one state per row -> a token per row and its logprobs if asked. The rows are
+    filtered and drawn together (`filter_rows`, `_draw`): one copy to the host a step, whatever the mix of greedy,
+    sampled and seeded rows; only penalties are applied row by row."""
+    if all(_is_plain_greedy(s) for s in states):  # the common decode batch: one argmax, one sync
+        return logits.argmax(-1).tolist(), [None] * len(states)
+    asked = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    raw = torch.log_softmax(logits[asked], -1) if asked else None
+    penalized = [i for i, s in enumerate(states) if _has_penalties(s.params)]
+    if penalized:
+        logits = logits.clone()
+        for i in penalized:
+            apply_penalties(logits[i], states[i])
+    chosen = logits.argmax(-1)  # the greedy rows' tokens
+    drawn = [i for i, s in enumerate(states) if not s.params.is_greedy]
+    if drawn:
+        probs = torch.softmax(filter_rows(logits[drawn], [states[i].params for i in drawn]), -1)
+        chosen[drawn] = _draw(probs, [states[i].generator for i in drawn])
+    tokens: list[int] = chosen.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(states)
+    if raw is not None:
+        num_top = max(states[i].params.logprobs or 0 for i in asked)
+        picked = raw.gather(1, torch.tensor([tokens[i] for i in asked], device=raw.device)[:, None])[:, 0].tolist()
+        top_values, top_ids = (t.tolist() for t in torch.topk(raw, num_top, dim=-1)) if num_top else ([], [])
+        for j, i in enumerate(asked):
+            n = states[i].params.logprobs or 0
+            top = tuple(zip(top_ids[j][:n], top_values[j][:n])) if n else ()
+            logprobs[i] = TokenLogprob(tokens[i], picked[j], top)
+    return tokens, logprobs
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], num_top: int) -> list[TokenLogprob]:
@@ -88,23 +138,3 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], num_top: int)
     values, ids = torch.topk(logprobs, num_top)
     return [TokenLogprob(t, lp, tuple(zip(top_ids, top_values)))
             for t, lp, top_ids, top_values in zip(next_ids, chosen, ids.tolist(), values.tolist(), strict=True)]
-
-
-def _is_plain_greedy(state: SamplingState) -> bool:
-    p = state.params
-    return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty)
-
-
-def sample(logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits `[rows, vocab]` float32, one state per row -> a token per row and its logprobs if asked."""
-    if all(_is_plain_greedy(s) for s in states):  # the common decode batch: one argmax, one sync
-        return logits.argmax(-1).tolist(), [None] * len(states)
-    tokens: list[int] = []
-    logprobs: list[TokenLogprob | None] = []
-    for row, state in zip(logits, states):
-        raw = torch.log_softmax(row, -1) if state.params.logprobs is not None else None
-        token = sample_row(apply_penalties(row.clone(), state), state)
-        tokens.append(token)
-        logprobs.append(None if raw is None else token_logprob(raw, token, state.params.logprobs or 0))
-    return tokens, logprobs

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampler import SamplingState, apply_penalties, filter_logits, make_generator, sample
+from engine.sampler import SamplingState, apply_penalties, filter_logits, filter_rows, make_generator, sample
 from engine.types import RequestError, SamplingParams
 
 
@@ -70,6 +70,39 @@ def test_seeded_row_does_not_depend_on_its_batch() -> None:
     two = torch.stack([LOGITS, LOGITS.flip(0)])
     for _ in range(20):
         assert sample(LOGITS[None], [alone])[0][0] == sample(two, [batched, other])[0][0]
+
+
+def test_rows_filtered_together_are_each_filtered_as_alone() -> None:
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(top_p=0.8), SamplingParams(min_p=0.2),
+              SamplingParams(temperature=1.3, top_k=50, top_p=0.9, min_p=0.05), SamplingParams()]
+    together = filter_rows(logits, params)
+    for row, p, got in zip(logits, params, together, strict=True):
+        alone = filter_logits(row.clone(), p)
+        assert torch.equal(torch.isinf(got), torch.isinf(alone))
+        torch.testing.assert_close(got[torch.isfinite(got)], alone[torch.isfinite(alone)])
+    assert [int(torch.isfinite(r).sum()) for r in together[[0, 4]]] == [20, 300]
+
+
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone() -> None:
+    """Greedy, seeded, penalized and logprob rows in one batch: each row's token (and logprobs) as when alone."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 2
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(seed=11, top_p=0.9),
+              SamplingParams(temperature=0.0, repetition_penalty=3.0), SamplingParams(seed=12, logprobs=1, top_k=5)]
+    history = [(), (), (int(logits[2].argmax()),), ()]
+
+    def states() -> list[SamplingState]:
+        return [state(p, prompt=h) for p, h in zip(params, history, strict=True)]
+
+    batched = states()
+    alone = states()
+    for _ in range(10):
+        tokens, lps = sample(logits.clone(), batched)
+        for i, st in enumerate(alone):
+            token, lp = sample(logits[i:i + 1].clone(), [st])
+            assert tokens[i] == token[0] and lps[i] == lp[0]
+    assert tokens[2] != int(logits[2].argmax())  # the penalty moved the greedy row off its argmax
+    assert lps[0] is not None and len(lps[0].top) == 3 and lps[3] is not None and len(lps[3].top) == 1
 
 
 def test_repetition_penalty_pushes_seen_tokens_down() -> None:
