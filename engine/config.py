@@ -153,27 +153,24 @@ class SchedulerConfig:
         "flag": "--max-num-seqs", "help": "sequences decoded together"})
     max_num_batched_tokens: int = field(default=512, metadata={  # decode tokens + prefill chunks
         "flag": "--max-batch-tokens", "help": "tokens in one forward pass"})
-    # NOTE: a step that prefills P tokens beside running decodes delays their next tokens by P tokens' prefill:
-    # at pp512's 4,197 tok/s (Qwen3-30B-A3B shapes, H100, docs/benchmarks.md) 256 tokens are 61 ms, 15 decode steps.
-    # Where routed experts live in host RAM a prompt's step stages those layers whatever its size, so smaller chunks
-    # only repeat the staging: there the default is the whole budget (`LLMEngine` resolves None).
-    prefill_while_decoding: int | None = field(default=None, metadata={
-        "flag": "--prefill-while-decoding", "metavar": "TOKENS", "help": "prompt tokens a step prefills beside "
-        "running decodes, which wait for it (0: up to --max-batch-tokens; default: 128 where every routed expert is "
-        "on the device, else 0)"})
+    # NOTE: a step that prefills beside running decodes delays their next tokens by the whole step, and that step's
+    # cost is mostly fixed: beside 32 decoding streams, a step of up to 128 prompt tokens took 74-76 ms where a
+    # 512-token prompt alone takes 82 ms (Qwen3-30B-A3B shapes, H100, docs/benchmarks.md, fourth lease of
+    # 2026-12-06), and where routed experts live in host RAM a prompt's step stages those layers whatever its size.
+    # So by default a step prefills up to its budget: the fewest steps that stall the streams.
+    prefill_while_decoding: int = field(default=0, metadata={
+        "flag": "--prefill-while-decoding", "metavar": "TOKENS", "help": "at most this many prompt tokens a step "
+        "prefills beside running decodes, which wait for it (default 0: up to --max-batch-tokens)"})
     max_model_len: int = 4096  # positions of one KV slot
     max_waiting: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
-        if self.prefill_while_decoding is not None and self.prefill_while_decoding < 0:
+        if self.prefill_while_decoding < 0:
             raise ValueError("prefill_while_decoding must be >= 0")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
-
-
-PREFILL_WHILE_DECODING = 128  # `SchedulerConfig.prefill_while_decoding` where every routed expert is on the device
 
 
 @dataclass(frozen=True)

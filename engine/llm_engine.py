@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.arch import get_arch
-from engine.config import PREFILL_WHILE_DECODING, CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.detok import TextOutput
 from engine.expert_cache.cache import ExpertCache, build_expert_cache
 from engine.expert_cache.record import StepRecord
@@ -98,7 +98,6 @@ class LLMEngine:
         self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages, locate=self.gguf.locate)
         self.scheduler = Scheduler(sched)
         self.cache: ExpertCache = self._build_cache(config.cache)
-        self._resolve_prefill_budget()
         self.model = Model(self.weights, self.cache.dispatcher)
         self.runner = self._make_runner()
         self.states: dict[str, RequestState] = {}  # the scheduler's requests, by id
@@ -306,14 +305,7 @@ class LLMEngine:
         self.cache = self._build_cache(cache)
         self.model.experts = self.cache.dispatcher
         self.runner = self._make_runner()  # a fresh graph memory pool for the new captures
-        self._resolve_prefill_budget()
         return summary
-
-    def _resolve_prefill_budget(self) -> None:
-        """`--prefill-while-decoding`'s default for this placement (`SchedulerConfig.prefill_while_decoding`)."""
-        if self.config.scheduler.prefill_while_decoding is None:
-            tokens = 0 if self.cache.placement.host_layers else PREFILL_WHILE_DECODING
-            self.scheduler.config = replace(self.scheduler.config, prefill_while_decoding=tokens)
 
     def _build_cache(self, cache: CacheConfig) -> ExpertCache:
         return build_expert_cache(self.store, cache, self.scheduler.config.max_num_batched_tokens,

@@ -108,7 +108,7 @@ def test_prompts_beside_running_decodes_take_at_most_their_share_of_a_step() -> 
     assert run_step(s) == {"a": (4, 1, True), "b": (6, 6, False)}
     s.abort("a")
     assert run_step(s) == {"b": (12, 8, True), "c": (0, 4, True)}  # no decode waits: up to the step's budget
-    unlimited = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_while_decoding=0))
+    unlimited = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))  # the default: the budget
     unlimited.add(req("a", 3))
     run_step(unlimited)
     unlimited.add(req("b", 20))
