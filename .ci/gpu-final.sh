@@ -8,7 +8,8 @@
 #      and llama.cpp's 8 sequences, small budgets against no cache (every policy), stream and hybrid at 25% (decay);
 #   3: the CPU-computed misses: llama.cpp's -ncmoe 48 row, stream and hybrid at 50%, the three miss modes with no
 #      cache, host memory shared by link and CPU (.ci/gpu-host-share.py), the miss modes on a 16 GB/s link;
-#   4: the decode expert kernels' sweep (.ci/gpu-expert-sweep.py), the step profile (.ci/gpu-step-profile.py), the
+#   4: the prefill GEMMs under Nsight Compute (.ci/gpu-moe-gemm.py ncu), the decode expert kernels' sweep
+#      (.ci/gpu-expert-sweep.py), the step profile (.ci/gpu-step-profile.py), the
 #      prompt's (.ci/gpu-prefill-profile.py), the doorbell's round
 #      trip and a streamed miss's cost (.ci/gpu-bell-probe.py, .ci/gpu-miss-probe.py), device against CPU logits over
 #      quantized KV caches, captured and eager (.ci/gpu-qkv-probe.py), where the lease has time left.
@@ -88,7 +89,13 @@ case "$1" in
     CACHED_EXTRA="--warmup-gen-len 100 --gen-len 24 --repeats 1 --link-gbps 16" bash .ci/gpu-check cached
   ;;
 4)
-  # the decode expert kernels' block shapes and blocks a step (every preset's layer), then the step profiles
+  # the prefill GEMMs under Nsight Compute (where their 1.3 ms a layer at 512 tokens goes: docs/benchmarks.md, fourth
+  # lease of 2026-12-06), then the decode expert kernels' block shapes and blocks a step, then the step profiles
+  PYTHONPATH=/tmp/site:$PWD timeout 120 ncu --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section SchedulerStats --section InstructionStats python3 .ci/gpu-moe-gemm.py ncu > "$LOGS/moe-gemm-ncu.log" 2>&1
+  grep -E "^  [_a-z]|Duration|Registers|Achieved Occupancy|Issue Slots Busy|Memory Throughput|No Eligible|Executed Ipc A" \
+    "$LOGS/moe-gemm-ncu.log" | head -60
   PYTHONPATH=/tmp/site:$PWD timeout 120 python3 .ci/gpu-expert-sweep.py 100 > "$LOGS/expert-sweep.log" 2>&1
   grep -E "^(==|  1 )" "$LOGS/expert-sweep.log" | grep -E "==|blocks|\*" | head -60
   BUDGET_S=165 PROFILE_S=160 PROFILE_LINES=160 bash .ci/gpu-check profile

@@ -9,7 +9,9 @@ With `decode` first: a decode step's sizes instead (1 to 32 tokens x top-8, Q4_K
 (`ops.triton.grouped_expert_ffn`: as they are, the down rows split in 3, the weight loops in 3 stages) against the
 fused GEMMs, each the median of `repeats` replays of a CUDA graph of 20 calls, each routed anew (weights mostly from
 HBM: one layer is 370 MB, L2 50 MB), divided by 20.
-Usage: python3 .ci/gpu-moe-gemm.py [decode] [repeats=10] [budget_s=40]  (needs CUDA)"""
+With `ncu`: the Q4_K_M layer's fused GEMMs at 32 and 512 tokens, once each between cudaProfilerStart and Stop, for
+Nsight Compute's counters (`ncu --profile-from-start off --section ... python3 .ci/gpu-moe-gemm.py ncu`).
+Usage: python3 .ci/gpu-moe-gemm.py [decode | ncu] [repeats=10] [budget_s=40]  (needs CUDA)"""
 
 import time
 
@@ -160,8 +162,30 @@ def main(repeats: int, budget_s: float) -> None:
     print(f"done in {elapsed():.1f} s", flush=True)
 
 
+def profiled() -> None:
+    """The Q4_K_M layer's fused GEMMs at 32 and 512 tokens x top-8, once each inside the profiler's range (compiled and
+    warmed outside it), for Nsight Compute (`ncu --profile-from-start off`)."""
+    layer = bank(LAYERS[0])
+    calls = []
+    for num_tokens in (32, 512):
+        x = torch.randn(num_tokens, HIDDEN, device=CUDA).bfloat16()
+        pairs = routing(num_tokens)
+        expert_ffn_moe_gemm(x, *pairs, layer)
+        calls.append((x, routing(num_tokens)))  # other experts than the warm-up's
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for x, pairs in calls:
+        expert_ffn_moe_gemm(x, *pairs, layer)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled, in order: the fused GEMMs of 32 and of 512 tokens (Q4_K/Q4_K/Q6_K)", flush=True)
+
+
 if __name__ == "__main__":
     assert torch.cuda.is_available(), "needs CUDA"
+    if sys.argv[1:2] == ["ncu"]:
+        profiled()
+        sys.exit()
     if sys.argv[1:2] == ["decode"]:
         decode(int(sys.argv[2]) if len(sys.argv) > 2 else 10)
     else:
