@@ -13,8 +13,9 @@ warps, 2x, 4) at 1 token and then at 8, then the whole FFN at the fastest rows.
 Starts nothing after `budget_s` seconds (most of a config's cost is compiling; an H200 run ends within a minute)
 and lists what it skipped. A config that fails is one line saying why. In the tables `*` marks the default
 (`ops.triton.experts.DEFAULT_CONFIG`, the launchers' own warps), `<` the fastest of its kernel.
-With `ncu`, each shape's default gate/up and down launch at 1 token runs once between cudaProfilerStart and Stop
-(after warm-up launches outside), for Nsight Compute to read their counters (under `ncu --profile-from-start off`).
+With `ncu`, each shape's default gate/up and down launch at 1 token (and Qwen3-30B-A3B's at 8) runs once between
+cudaProfilerStart and Stop (after warm-up launches outside), for Nsight Compute to read their counters (under
+`ncu --profile-from-start off`).
 Usage: PYTHONPATH=/tmp/site:$PWD python3 .ci/gpu-expert-sweep.py [budget_s=50] [replays=5]  (needs CUDA)
        PYTHONPATH=/tmp/site:$PWD ncu --profile-from-start off --section ... python3 .ci/gpu-expert-sweep.py ncu"""
 
@@ -389,11 +390,12 @@ def main(budget_s: float, replays: int) -> None:
 
 
 def profiled() -> None:
-    """Each shape's default gate/up and down launch at 1 token, once each inside the profiler's range."""
+    """Each shape's default gate/up and down launch at 1 token, then the first shape's (Qwen3-30B-A3B's) at 8 tokens,
+    once each inside the profiler's range."""
     sweep = Sweep(float("inf"), 1)
     launches = []
-    for shape in SHAPES:
-        bench = sweep.bench(shape, 1)
+    for shape, num_tokens in [(shape, 1) for shape in SHAPES] + [(SHAPES[0], 8)]:
+        bench = sweep.bench(shape, num_tokens)
         for config in default_configs()[:2]:
             launch = launcher(bench, config)
             launch(0)  # compiled and loaded outside the range
