@@ -227,6 +227,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # request id -> its group's stream (loop side)
         self._snapshot = EngineSnapshot()
         self._cache_published = 0.0  # perf_counter time of the last snapshot of the cache (engine thread)
+        self._held: _Events | None = None  # the last step's events, not yet handed to the loop (`_hand_over`)
         self._is_ready = self._is_dead = self._is_draining = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -437,9 +438,10 @@ class AsyncEngine:
             llm = self._llm or self._load(self.config, self._progress)
             self._ready_with(llm)
             self._serve(llm)
-        except BaseException as error:  # every failure must reach the waiting requests
+        except BaseException as error:  # every failure must reach the waiting requests, after what was done
             log.exception("the engine loop failed")
             self._is_dead = True
+            self._hand_over()
             self._post(self._on_failure, error)
         finally:
             if llm is not None:
@@ -454,43 +456,43 @@ class AsyncEngine:
 
     def _serve(self, llm: LLMEngine) -> None:
         waiting: set[str] = set()  # admitted, not yet given a KV slot
-        # NOTE: where a step only launches the device's work (CUDA), a step's events reach the loop once the next
-        # step is launched: the loop's work on them (text, SSE or protobuf, socket writes) then runs while the
-        # device computes, not while this thread prepares the next launch and waits for the GIL at each of its
-        # calls into torch
-        held: list[_Events] = []
-
-        def hand_over() -> None:
-            if held:
-                self._post(self._deliver, held.pop())
-
         while True:
-            # 1. take commands; block only while idle, so a busy engine never waits for the loop
+            # 1. take commands; block only while idle (the last step's events handed over first), so a busy engine
+            #    never waits for the loop
             if not llm.has_unfinished():
-                hand_over()
+                self._hand_over()
             commands = self._inbox.take(wait=not llm.has_unfinished())
             events = _Events()
             # 2. apply adds and aborts between steps (an aborted request frees its KV slot now)
             if not self._apply(llm, commands, events, waiting):
-                hand_over()
+                self._hand_over()
                 self._post(self._deliver, events)
                 return
-            # 3. one step: decode tokens first, then chunked prefill (the scheduler's batching)
+            # 3. one step: decode tokens first, then chunked prefill (the scheduler's batching); the last step's
+            #    events go to the loop once this one is launched
             events.step_start = time.perf_counter()
-            events.outputs += llm.step(on_launched=hand_over)
-            hand_over()  # an empty step launched nothing
+            events.outputs += llm.step(on_launched=self._hand_over)
+            self._hand_over()  # an empty step launched nothing
             events.ready_at = time.perf_counter()
             # 4. queue time ends for requests that got a KV slot in this step
             events.scheduled = [i for i in waiting if _has_slot(llm, i)]
             waiting.difference_update(events.scheduled)
             # 5. publish stats (the cache's at most every CACHE_PUBLISH_S and when idle), then hand admissions
-            #    and outputs to the event loop in one call
+            #    and outputs to the event loop in one call, now or once the next step is launched
             self._publish_stats(llm, with_cache=not llm.has_unfinished()
                                 or events.ready_at - self._cache_published >= CACHE_PUBLISH_S)
-            if llm.launches_async:
-                held.append(events)
-            else:
-                self._post(self._deliver, events)
+            self._held = events
+            if not llm.launches_async:
+                self._hand_over()
+
+    def _hand_over(self) -> None:
+        """The last step's events to the event loop. NOTE: where a step only launches the device's work (CUDA),
+        they wait for the next step's launch: the loop's work on them (text, SSE or protobuf, socket writes) then
+        runs while the device computes, not while this thread prepares that launch, taking turns with it at the GIL
+        at each call into torch."""
+        if self._held is not None:
+            events, self._held = self._held, None
+            self._post(self._deliver, events)
 
     def _apply(self, llm: LLMEngine, commands: list[_Command], events: _Events, waiting: set[str]) -> bool:
         for command in commands:

@@ -5,8 +5,8 @@ A request is added (waiting), admitted into a KV slot (running), and finished or
 slot at once; the next `schedule()` reports it in `finished_ids`. Decoding sequences go first (one token
 each) so running streams never stall behind a long prompt; the rest of the step's token budget prefills
 waiting prompts in chunks, at most `prefill_while_decoding` tokens while sequences decode where that is set (a
-step's prefill delays every running stream's next token). The scheduler decides when a sampled token ends a sequence (a stop
-token, its token limit, the context); the engine applies it.
+step's prefill delays every running stream's next token). The scheduler decides when a sampled token ends a
+sequence (a stop token, its token limit, the context); the engine applies it.
 """
 
 from __future__ import annotations

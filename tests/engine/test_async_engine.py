@@ -271,6 +271,31 @@ async def test_engine_failure_reaches_every_request_and_health(tiny_gguf: Path) 
     await eng.shutdown()
 
 
+async def test_a_failure_comes_after_the_outputs_of_the_steps_before_it(tiny_gguf: Path) -> None:
+    """With a step's outputs held until the next launch (CUDA), the last good step's still reach the stream."""
+    llm = LLMEngine(config(tiny_gguf))
+    llm.launches_async = True
+    forward, calls = llm.model.forward, 0
+
+    def failing_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls > 4:  # the prompt's step and three decode steps
+            raise RuntimeError("device lost")
+        return forward(*args, **kwargs)
+
+    llm.model.forward = failing_forward  # type: ignore[method-assign]
+    eng = AsyncEngine.from_engine(llm)
+    await eng.start()
+    received: list[RequestOutput] = []
+    with pytest.raises(EngineDeadError, match="device lost"):
+        async for out in eng.generate(request(eng, "x", params=SamplingParams(max_tokens=50, temperature=0,
+                                                                            ignore_eos=True))):
+            received.append(out)
+    assert sum(len(o.new_token_ids) for o in received) == 4  # one token from each step that ran
+    await eng.shutdown()
+
+
 async def test_shutdown_closes_the_engine_and_logs_the_cache_summary(
         tiny_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
     eng = AsyncEngine(config(tiny_gguf))
