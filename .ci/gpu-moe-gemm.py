@@ -38,7 +38,9 @@ CUDA = torch.device("cuda")
 # the most used first: the budget may cut the last ones
 ORDER = (QType.Q4_K, QType.MXFP4, QType.Q8_0, QType.Q6_K, QType.Q4_0, QType.Q5_K)
 LAYERS = [(QType.Q4_K, QType.Q4_K, QType.Q6_K)] + [(t, t, t) for t in sorted(KERNEL_TYPES, key=ORDER.index)]
-SWEEP = [MoeGemmConfig(block_n=128), MoeGemmConfig(block_k=128), MoeGemmConfig(num_warps=4),
+# NOTE: block_m 64 and 128: an expert's weights are dequantized once a tile of its pairs, and at 512 tokens (32 pairs
+# an expert on average, tiles of 32) about half the experts take two tiles
+SWEEP = [MoeGemmConfig(block_m=64), MoeGemmConfig(block_m=128), MoeGemmConfig(block_n=128), MoeGemmConfig(block_k=128),
          MoeGemmConfig(num_stages=3)]
 Pairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
