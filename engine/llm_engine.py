@@ -85,7 +85,6 @@ class LLMEngine:
             check_kv_types(get_arch(self.gguf.architecture).hparams(self.gguf.metadata, vocab_size=0),
                            *config.model.kv_types)
         self.device = resolve_device(config.model.device)
-        self.launches_async = self.device.type == "cuda"  # a step's device work runs on after `forward` launched it
         dtype = resolve_dtype(config.model.dtype, self.device)
         self.weights = load_weights(self.gguf, self.device, dtype, _bytes_progress(progress, self.gguf))
         hp = self.weights.hparams
@@ -98,6 +97,7 @@ class LLMEngine:
         self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages, locate=self.gguf.locate)
         self.scheduler = Scheduler(sched)
         self.cache: ExpertCache = self._build_cache(config.cache)
+        self.launches_async = self._launches_async()
         self.model = Model(self.weights, self.cache.dispatcher)
         self.runner = self._make_runner()
         self.states: dict[str, RequestState] = {}  # the scheduler's requests, by id
@@ -305,7 +305,13 @@ class LLMEngine:
         self.cache = self._build_cache(cache)
         self.model.experts = self.cache.dispatcher
         self.runner = self._make_runner()  # a fresh graph memory pool for the new captures
+        self.launches_async = self._launches_async()
         return summary
+
+    def _launches_async(self) -> bool:
+        """Whether a step's device work runs on after `forward` returns: on CUDA, where no layer syncs the host
+        (none on disk; CPU tasks the device rings for)."""
+        return self.device.type == "cuda" and self.cache.dispatcher.is_graph_safe
 
     def _build_cache(self, cache: CacheConfig) -> ExpertCache:
         return build_expert_cache(self.store, cache, self.scheduler.config.max_num_batched_tokens,

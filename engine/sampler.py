@@ -64,7 +64,9 @@ def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
     if any(p.top_p < 1.0 for p in params):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, -1)
-        drop = probs.cumsum(-1) - probs >= column([p.top_p for p in params])  # a top_p of 1 drops nothing
+        top_p = column([p.top_p for p in params])
+        # NOTE: a float32 cumulative sum reaches 1 before a large vocabulary's tail: a top_p of 1 drops nothing
+        drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     if any(p.min_p > 0.0 for p in params):
         probs = torch.softmax(logits, -1)

@@ -84,6 +84,13 @@ def test_rows_filtered_together_are_each_filtered_as_alone() -> None:
     assert [int(torch.isfinite(r).sum()) for r in together[[0, 4]]] == [20, 300]
 
 
+def test_a_row_without_top_p_keeps_its_whole_vocabulary_beside_one_with_it() -> None:
+    """At Qwen3's 151,936 tokens a float32 cumulative sum reaches 1 before the tail: only rows with top_p < 1 cut."""
+    logits = torch.randn(2, 151936, generator=torch.Generator().manual_seed(6)) * 4
+    together = filter_rows(logits, [SamplingParams(), SamplingParams(top_p=0.9)])
+    assert torch.isfinite(together[0]).all() and not torch.isfinite(together[1]).all()
+
+
 def test_a_mixed_batch_gives_each_row_what_it_gets_alone() -> None:
     """Greedy, seeded, penalized and logprob rows in one batch: each row's token (and logprobs) as when alone."""
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 2
