@@ -123,6 +123,7 @@ def test_experts_on_disk_give_the_same_tokens_on_cuda(small_moe_gguf: Path, miss
     prompts staged from it; the tokens equal those with every expert pinned in RAM and the same cache."""
     cache = CacheConfig(cpu_moe=True, budget_mib=1, miss_mode=miss_mode, policy="lru")
     expected, reference = greedy(small_moe_gguf, cache, "cuda")
+    assert reference.launches_async  # no host sync in a step: its outputs wait for the next launch (AsyncEngine)
     reference.close()
     host_cache_mib = 1  # 9 slots: a token's top-k fit, the CPU reads through the tier a token at a time
     if miss_mode == "stream":  # the kernels stream a decode step's misses of a layer at once: all 16 may be selected
@@ -130,6 +131,7 @@ def test_experts_on_disk_give_the_same_tokens_on_cuda(small_moe_gguf: Path, miss
             greedy(small_moe_gguf, replace(cache, ssd_moe=True, host_cache_mib=1), "cuda")
         host_cache_mib = 2
     got, engine = greedy(small_moe_gguf, replace(cache, ssd_moe=True, host_cache_mib=host_cache_mib), "cuda")
+    assert not engine.launches_async  # a disk layer syncs the host inside the step: outputs go at once
     snap = engine.cache.snapshot()
     assert_tier_holds_the_files_bytes(engine)  # those read and those taken back from the device's slots
     engine.close()
