@@ -6,9 +6,8 @@ the two outputs; then, while time is left, a few fused tile configs on the Q4_K_
 `MOECACHE_PREFILL_EXPERTS`'s default. Starts no new format after `budget_s` seconds (a format costs a few seconds,
 most of it compiling), so that it ends within a minute on an H200.
 With `decode` first: a decode step's sizes instead (1 to 32 tokens x top-8, Q4_K_M's mix): the decode kernels
-(`ops.triton.grouped_expert_ffn`: as they are, the down rows split in 3, the weight loops in 3 stages) against the
-fused GEMMs, each the median of `repeats` replays of a CUDA graph of 20 calls, each routed anew (weights mostly from
-HBM: one layer is 370 MB, L2 50 MB), divided by 20.
+(`ops.triton.grouped_expert_ffn`) against the fused GEMMs, each the median of `repeats` replays of a CUDA graph of 20
+calls, each routed anew (weights mostly from HBM: one layer is 370 MB, L2 50 MB), divided by 20.
 With `ncu`: the Q4_K_M layer's fused GEMMs at 32 and 512 tokens, once each between cudaProfilerStart and Stop, for
 Nsight Compute's counters (`ncu --profile-from-start off --section ... python3 .ci/gpu-moe-gemm.py ncu`).
 Usage: python3 .ci/gpu-moe-gemm.py [decode | ncu] [repeats=10] [budget_s=40]  (needs CUDA)"""
@@ -123,8 +122,7 @@ def decode(repeats: int) -> None:
     from ops.triton import LaunchConfig, grouped_expert_ffn, tables_from_bank
     layer = bank(LAYERS[0])
     tables = tables_from_bank(layer, CUDA)
-    configs = {"decode kernels": LaunchConfig(), "down split 3": LaunchConfig(down_splits=3),
-               "3 stages": LaunchConfig(stages=3)}
+    configs = {"decode kernels": LaunchConfig()}
     print(f"{'tokens':>6} " + " ".join(f"{name + ' us':>17}" for name in configs) + f" {'fused us':>9} {'rel diff':>9}",
           flush=True)
     for num_tokens in (1, 8, 16, 32):

@@ -4,11 +4,11 @@ rows, the launcher's warps, `qdot.step_blocks`' blocks a step), disassembled wit
 loop's instructions counted by kind, with the instructions per weight of the loop that reads the weights (the loop
 with the most global loads). A static count: what a change to `ops/triton/qdot.py` costs or saves per weight before a
 lease times it.
-BLOCKS=N sets the 32-block formats' blocks a step, STAGES=N the weight loops' pipeline stages (1: none). Needs
+BLOCKS=N sets the 32-block formats' blocks a step. Needs
 Triton's CUDA backend (not its interpreter); CPU CI checks the loops' spills with it (tests/ops/test_triton_compile.py).
 With PREFILL=1, the prefill's tensor-core GEMMs instead (`ops.triton.moe_gemm`, gate/up and down, its default tiles at
 32 pairs a tile): the same counts for their K loops.
-Usage: [BLOCKS=N] [STAGES=N] [PREFILL=1] python -m tools.sass_loops [FORMAT ...]  (default: every kernel format)"""
+Usage: [BLOCKS=N] [PREFILL=1] python -m tools.sass_loops [FORMAT ...]  (default: every kernel format)"""
 
 import collections
 import os
@@ -34,7 +34,6 @@ from ops.triton.qdot import KERNEL_TYPES, step_blocks
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 ROWS, DOWN_ROWS = 16, 32
 BLOCKS = int(os.environ.get("BLOCKS", "0"))  # blocks of 32 a step of the 32-block formats (0: the default)
-STAGES = int(os.environ.get("STAGES", "1"))  # the weight loops' software pipeline (`qdot.rows_dot`)
 # each format on a preset's shape: hidden and ff sizes, expert math (the gpt-oss one with biases)
 SHAPES = {QType.Q4_K: (2048, 768, "silu"), QType.Q5_K: (2048, 768, "silu"), QType.Q6_K: (2048, 768, "silu"),
           QType.Q8_0: (2048, 1408, "silu"), QType.Q4_0: (2816, 704, "gelu"), QType.MXFP4: (2880, 2880, "swiglu_oai")}
@@ -91,7 +90,7 @@ def launch_values(qtype: QType, top_k: int = 8) -> dict[str, int]:
     gate_row, down_row = quants.row_bytes(qtype, hidden), quants.row_bytes(qtype, ff)
     return dict(x_stride=hidden, sums_stride=hidden // 16, num_tokens=1, num_pairs=top_k, num_experts=128,
                 gate_row_bytes=gate_row, up_row_bytes=gate_row, down_row_bytes=down_row, h_stride=ff,
-                hs_stride=ff // 16, ff=ff, hidden=hidden, y_stride=hidden, y_split_stride=top_k * hidden,
+                hs_stride=ff // 16, ff=ff, hidden=hidden, y_stride=hidden,
                 gate_row=gate_row, up_row=gate_row, down_row=down_row, gate_estride=ff * gate_row,
                 up_estride=ff * gate_row, down_estride=hidden * down_row)
 
@@ -100,10 +99,10 @@ def kernels(qtype: QType) -> list[tuple[str, str, int]]:
     """(kernel, its SASS, the weights a thread reads a step)."""
     hidden, ff, activation = SHAPES[qtype]
     values = launch_values(qtype)
-    common = dict(WINDOW=64, FILL=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1, STAGES=STAGES)
+    common = dict(WINDOW=64, FILL=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1)
     gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BR=ROWS, GROUP=16,
                    ACT=ACTIVATIONS[activation], BLOCKS=step_blocks(hidden, BLOCKS), **common)
-    down = dict(DOWN_FMT=int(qtype), FF=ff, BR=DOWN_ROWS, BLOCKS=step_blocks(ff, BLOCKS), SPLITS=1, **common)
+    down = dict(DOWN_FMT=int(qtype), FF=ff, BR=DOWN_ROWS, BLOCKS=step_blocks(ff, BLOCKS), **common)
     up_warps, down_warps = warps_for(ROWS, qtype), warps_for(DOWN_ROWS)
     return [("gate/up", compile_sass(_gate_up_kernel, gate_up, up_warps, values),
              ROWS * step_weights(qtype, hidden) * 2 // (32 * up_warps)),

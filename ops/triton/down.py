@@ -10,7 +10,7 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vector
 from ops.triton.gate_up import bias_rows, warps_for
 from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_for
-from ops.triton.qdot import GROUP, MAGIC, has_kernel, rows_dot, split_k, step_blocks
+from ops.triton.qdot import GROUP, MAGIC, has_kernel, rows_dot, step_blocks
 from ops.triton.stage import COPY_BLOCK, Fill, fill_rows
 from ops.triton.tables import ExpertTables
 
@@ -27,16 +27,12 @@ def _store_y(y, y_stride, position, has, weights, rows, rmask, acc, bias, BIAS: 
 def _down_kernel(
     h, h_stride, hs, hs_stride, expert_ids, weights, num_pairs,
     gate_ptrs, up_ptrs, down_ptrs, num_experts, down_row_bytes,
-    y, y_stride, y_split_stride, hidden, magic, fill_flags, host_down_ptrs, down_biases,
+    y, y_stride, hidden, magic, fill_flags, host_down_ptrs, down_biases,
     DOWN_FMT: tl.constexpr, FF: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, FILL: tl.constexpr, COPY: tl.constexpr,
-    BIAS: tl.constexpr, BLOCKS: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr,
+    BIAS: tl.constexpr, BLOCKS: tl.constexpr,
 ):
-    # program (pair position, block of BR rows of hidden, split of ff); only the first pair of each expert works.
-    # Split s reads columns [s KS, (s + 1) KS) of the rows (whole blocks: the bytes of a row are in column order)
-    # and writes its partial sums to plane s of y.
-    KS: tl.constexpr = FF // SPLITS
-    split = tl.program_id(2)
+    # program (pair position, block of BR rows of hidden); only the first pair of each expert works
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     rmask = rows < hidden
@@ -48,10 +44,8 @@ def _down_kernel(
         filling = tl.load(fill_flags + safe) != 0  # in flight with the pointers
     positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
     bias = 0.0
-    if BIAS:  # the expert's row of the biases `[experts, hidden]`, added by the first split
+    if BIAS:  # the expert's row of the biases `[experts, hidden]`
         bias = tl.load(down_biases + safe.to(tl.int64) * hidden + safe_rows)
-        if SPLITS > 1:
-            bias = tl.where(split == 0, bias, 0.0)
     if FILL:
         if filling & (count > 0):  # the leader of a streamed miss first copies the rows it computes
             row0 = tl.program_id(1) * BR
@@ -59,11 +53,6 @@ def _down_kernel(
             tl.debug_barrier()  # NOTE: the rows are in VRAM before any thread of the program reads them
     # a skipped pair's row is 0, so that every row of y is written and the per-token sum needs no
     # table lookups
-    if SPLITS > 1:
-        y += split.to(tl.int64) * y_split_stride
-        h += split * KS
-        hs += split * (KS // 16)
-        down_addr += split * (down_row_bytes // SPLITS)
     skipped = y + pid.to(tl.int64) * y_stride + rows
     tl.store(skipped, tl.zeros([BR], tl.float32), mask=tl.where(is_valid, False, rmask))
     for start in range(0, count, BT):
@@ -74,7 +63,7 @@ def _down_kernel(
             down_addr, down_addr, safe_rows, down_row_bytes,
             h + p0 * h_stride, h + p1 * h_stride, h + p2 * h_stride, h + p3 * h_stride,
             hs + p0 * hs_stride, hs + p1 * hs_stride, hs + p2 * hs_stride, hs + p3 * hs_stride,
-            magic, DOWN_FMT, KS, BT, False, BLOCKS, STAGES)
+            magic, DOWN_FMT, FF, BT, False, BLOCKS)
         _store_y(y, y_stride, p0, h0 > 0, weights, rows, rmask, a0, bias, BIAS)
         if BT > 1:
             _store_y(y, y_stride, p1, h1 > 0, weights, rows, rmask, a1, bias, BIAS)
@@ -85,16 +74,13 @@ def _down_kernel(
 
 def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 tables: ExpertTables, y: torch.Tensor, block_tokens: int = 1, block_rows: int = 32,
-                num_warps: int | None = None, fill: Fill | None = None, blocks: int = 0, splits: int = 1,
-                stages: int = 1) -> None:
+                num_warps: int | None = None, fill: Fill | None = None, blocks: int = 0) -> None:
     """y[p] = weights[p] * (down_e(h[p]) + the tables' down bias of e) for each computed pair p, 0 for a skipped
     pair. h float32
     `[pairs, ff]` prepared for the down format (`prepare.launch_prepare`), h_sums `[pairs, ff // 16]`
     its natural sums; expert_ids, weights `[pairs]`; y float32 `[pairs, hidden]`. With `fill`, the down rows of
     experts whose flag is set are first copied from host memory (`ops.triton.stage`). blocks: the 32-block formats'
-    blocks a step (`qdot.step_blocks`, 0: its default). splits: programs sharing each row's columns (`split_k`, 1
-    with `fill`), each writing its partial sums to a plane of y `[splits, pairs, hidden]` (y `[pairs, hidden]` where
-    1), which `launch_combine` adds in plane order. stages: the weight loop's pipeline (`qdot.rows_dot`'s STAGES)."""
+    blocks a step (`qdot.step_blocks`, 0: its default)."""
     if not has_kernel(tables.down_type):
         raise ValueError(f"no down kernel for {tables.down_type.name}")
     num_pairs, device = expert_ids.shape[0], tables.device
@@ -104,13 +90,7 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
     check_rows("h_sums", h_sums, (num_pairs, tables.ff // GROUP), (torch.float32,), device)
     check_vector("expert_ids", expert_ids, num_pairs, INDEX_DTYPES, device)
     check_vector("weights", weights, num_pairs, FLOAT_DTYPES, device)
-    if splits != split_k(tables.ff, tables.down_type, splits) or (fill is not None and splits > 1):
-        raise ValueError(f"splits {splits}: must divide ff {tables.ff} in whole {tables.down_type.name} blocks, "
-                         f"1 with a fill")
-    planes = y.unsqueeze(0) if y.dim() == 2 else y
-    if planes.shape[0] != splits or planes.stride(2) != 1:
-        raise ValueError(f"y: expected {splits} plane(s) [{num_pairs}, {tables.hidden}], got {tuple(y.shape)}")
-    check_rows("y", planes[0], (num_pairs, tables.hidden), (torch.float32,), device)
+    check_rows("y", y, (num_pairs, tables.hidden), (torch.float32,), device)
     if block_tokens not in (1, 2, 4) or block_rows < 1 or triton.next_power_of_2(block_rows) != block_rows:
         raise ValueError(f"need block_tokens in 1, 2, 4 and block_rows a power of two, "
                          f"got {block_tokens}, {block_rows}")
@@ -120,14 +100,14 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
         return
     down_bias = tables.math.down_bias
     biases = y if down_bias is None else bias_rows(down_bias, tables.num_experts, tables.hidden, device)
-    grid = (num_pairs, triton.cdiv(tables.hidden, block_rows), splits)
+    grid = (num_pairs, triton.cdiv(tables.hidden, block_rows))
     _down_kernel[grid](
         h, h.stride(0), h_sums, h_sums.stride(0), expert_ids, weights, num_pairs,
         tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts, tables.down_row_bytes,
-        y, planes.stride(1), planes.stride(0), tables.hidden, MAGIC,
+        y, y.stride(0), tables.hidden, MAGIC,
         fill.flags if fill is not None else expert_ids, (fill.host if fill is not None else tables).down_ptrs, biases,
         DOWN_FMT=int(tables.down_type), FF=tables.ff,
         BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs), FILL=fill is not None, COPY=COPY_BLOCK,
-        BIAS=down_bias is not None, BLOCKS=step_blocks(tables.ff // splits, blocks), SPLITS=splits, STAGES=stages,
+        BIAS=down_bias is not None, BLOCKS=step_blocks(tables.ff, blocks),
         num_warps=num_warps or warps_for(block_rows),
     )

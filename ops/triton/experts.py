@@ -23,7 +23,7 @@ from ops.triton.down import launch_down
 from ops.triton.fallback import down_fallback, gate_up_fallback
 from ops.triton.gate_up import default_block_tokens, launch_gate_up
 from ops.triton.prepare import Prepared, launch_prepare
-from ops.triton.qdot import GROUP, has_kernel, split_k
+from ops.triton.qdot import GROUP, has_kernel
 from ops.triton.stage import Fill, fill_experts
 from ops.triton.tables import ExpertTables, QType
 
@@ -35,16 +35,12 @@ _table_cache: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
 class LaunchConfig:
     """Block shapes: rows of ff (gate/up) and of hidden (down) per program, pairs of one expert per
     pass over its weights (None: by the number of tokens), blocks of 32 a step of the 32-block formats (0: by the
-    row, `qdot.step_blocks`), at most how many programs share a down row's columns (`qdot.split_k`; 1 where
-    experts are copied in by the kernels), and the stages of the weight loops' software pipeline (`qdot.rows_dot`;
-    1: none)."""
+    row, `qdot.step_blocks`)."""
 
     gate_up_rows: int = 16
     down_rows: int = 32
     block_tokens: int | None = None
     blocks: int = 0
-    down_splits: int = 1
-    stages: int = 1
 
 
 DEFAULT_CONFIG = LaunchConfig()
@@ -87,26 +83,24 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
 def _ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
          tables: ExpertTables, config: LaunchConfig, block_tokens: int, fill: Fill | None,
          prepared: Prepared | None) -> torch.Tensor:
-    """y `[splits, pairs, hidden]`: each pair's weighted down(act(gate x, up x)) (the tables' math), in partial
-    sums over ff (`LaunchConfig.down_splits`), 0 for skipped pairs."""
-    h, h_sums = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens, fill, prepared)
-    splits = split_k(tables.ff, tables.down_type, config.down_splits) if fill is None and config.down_splits > 1 else 1
-    y = torch.empty((splits, expert_ids.shape[0], tables.hidden), dtype=torch.float32, device=tables.device)
+    """y `[pairs, hidden]`: each pair's weighted down(act(gate x, up x)) (the tables' math), 0 for skipped pairs."""
+    h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens, fill, prepared)
     if has_kernel(tables.down_type):
         launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens,
-                    block_rows=config.down_rows, fill=fill, blocks=config.blocks, splits=splits, stages=config.stages)
+                    block_rows=config.down_rows, fill=fill, blocks=config.blocks)
     else:
-        down_fallback(h, expert_ids, weights, tables, y[0])
+        down_fallback(h, expert_ids, weights, tables, y)
     return y
 
 
 def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, tables: ExpertTables,
              config: LaunchConfig, block_tokens: int, fill: Fill | None = None,
-             prepared: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """h (prepared for the down projection) and its sums per 16 columns."""
+             prepared: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h (prepared for the down projection), its sums per 16 columns, and the empty y."""
     num_pairs, device = expert_ids.shape[0], tables.device
     h = torch.empty((num_pairs, tables.ff), dtype=torch.float32, device=device)
     h_sums = torch.empty((num_pairs, tables.ff // GROUP), dtype=torch.float32, device=device)
+    y = torch.empty((num_pairs, tables.hidden), dtype=torch.float32, device=device)
     if has_kernel(tables.gate_type) and has_kernel(tables.up_type):
         if prepared is not None and (prepared.qtype != tables.gate_type or prepared.x.shape != x.shape):
             raise ValueError(f"x {tuple(x.shape)} prepared as {tuple(prepared.x.shape)} for {prepared.qtype}, "
@@ -114,13 +108,12 @@ def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
         x_gate, x_sums = (prepared.x, prepared.sums) if prepared is not None else launch_prepare(x, tables.gate_type)
         x_up = x_gate if tables.up_type == tables.gate_type else launch_prepare(x, tables.up_type)[0]
         launch_gate_up(x_gate, x_up, x_sums, token_ids, expert_ids, tables, h, h_sums,
-                       block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill, blocks=config.blocks,
-                       stages=config.stages)
+                       block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill, blocks=config.blocks)
     else:
         gate_up_fallback(x, token_ids, expert_ids, tables, h)
         if has_kernel(tables.down_type):
             h, h_sums = launch_prepare(h, tables.down_type)
-    return h, h_sums
+    return h, h_sums, y
 
 
 def gate_format(tables: ExpertTables) -> QType | None:

@@ -56,7 +56,6 @@ def _gate_up_kernel(
     GATE_FMT: tl.constexpr, UP_FMT: tl.constexpr, DOWN_FMT: tl.constexpr, HIDDEN: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, GROUP: tl.constexpr,
     FILL: tl.constexpr, COPY: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr, BLOCKS: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     # program (pair position, block of BR rows of ff); only the first pair of each expert works
     pid = tl.program_id(0)
@@ -92,16 +91,16 @@ def _gate_up_kernel(
             g0, g1, g2, g3, u0, u1, u2, u3 = rows_dot(
                 gate_addr, up_addr, safe_rows, gate_row_bytes,
                 x_gate + t0 * x_stride, x_gate + t1 * x_stride, x_gate + t2 * x_stride, x_gate + t3 * x_stride,
-                s0, s1, s2, s3, magic, GATE_FMT, HIDDEN, BT, True, BLOCKS, STAGES)
+                s0, s1, s2, s3, magic, GATE_FMT, HIDDEN, BT, True, BLOCKS)
         else:
             g0, g1, g2, g3, _, _, _, _ = rows_dot(
                 gate_addr, gate_addr, safe_rows, gate_row_bytes,
                 x_gate + t0 * x_stride, x_gate + t1 * x_stride, x_gate + t2 * x_stride, x_gate + t3 * x_stride,
-                s0, s1, s2, s3, magic, GATE_FMT, HIDDEN, BT, False, BLOCKS, STAGES)
+                s0, s1, s2, s3, magic, GATE_FMT, HIDDEN, BT, False, BLOCKS)
             u0, u1, u2, u3, _, _, _, _ = rows_dot(
                 up_addr, up_addr, safe_rows, up_row_bytes,
                 x_up + t0 * x_stride, x_up + t1 * x_stride, x_up + t2 * x_stride, x_up + t3 * x_stride,
-                s0, s1, s2, s3, magic, UP_FMT, HIDDEN, BT, False, BLOCKS, STAGES)
+                s0, s1, s2, s3, magic, UP_FMT, HIDDEN, BT, False, BLOCKS)
         _store_h(h, h_stride, hs, hs_stride, p0, h0 > 0, rows, rmask, ff, g0, u0, gb, ub, alpha, limit,
                      DOWN_FMT, BR, GROUP, ACT, BIAS)
         if BT > 1:
@@ -133,16 +132,15 @@ def warps_for(block_rows: int, qtype: QType | None = None) -> int:
 def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tensor, token_ids: torch.Tensor,
                    expert_ids: torch.Tensor, tables: ExpertTables, h: torch.Tensor, h_sums: torch.Tensor,
                    block_tokens: int | None = None, block_rows: int = 16, num_warps: int | None = None,
-                   fill: Fill | None = None, blocks: int = 0, stages: int = 1) -> None:
+                   fill: Fill | None = None, blocks: int = 0) -> None:
     """h[p] = act(gate_e(x[t]), up_e(x[t])) for each computed pair p = (t, e) (the tables' math: its activation
     and gate/up biases), prepared for the down
     kernel (`prepare.launch_prepare`'s order and scale for the down format), and h_sums[p] its natural
     sums per 16 rows (`qdot.GROUP`); rows of other pairs are left as they were. x_gate, x_up `[tokens, hidden]`:
     x prepared for the gate and up formats; x_sums `[tokens, hidden // 16]`; token_ids, expert_ids
     `[pairs]`; h float32 `[pairs, ff]`, h_sums `[pairs, ff // 16]`. block_tokens: 1, 2 or 4; blocks: the 32-block
-    formats' blocks a step (`qdot.step_blocks`, 0: its default); stages: the weight loop's pipeline (`qdot.rows_dot`'s
-    STAGES). With `fill`, the gate and up rows of experts whose flag is set are first copied from host memory
-    (`ops.triton.stage`)."""
+    formats' blocks a step (`qdot.step_blocks`, 0: its default). With `fill`, the
+    gate and up rows of experts whose flag is set are first copied from host memory (`ops.triton.stage`)."""
     if not (has_kernel(tables.gate_type) and has_kernel(tables.up_type)):
         raise ValueError(f"no gate/up kernel for {tables.gate_type.name}/{tables.up_type.name}")
     num_pairs, num_tokens, device = expert_ids.shape[0], x_gate.shape[0], tables.device
@@ -182,7 +180,7 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
         math.alpha, math.limit,
         GATE_FMT=int(tables.gate_type), UP_FMT=int(tables.up_type), DOWN_FMT=down_order, HIDDEN=tables.hidden,
         BT=bt, BR=block_rows, WINDOW=window_for(num_pairs), GROUP=GROUP, FILL=fill is not None, COPY=COPY_BLOCK,
-        ACT=ACTIVATIONS[math.activation], BIAS=biases, BLOCKS=step_blocks(tables.hidden, blocks), STAGES=stages,
+        ACT=ACTIVATIONS[math.activation], BIAS=biases, BLOCKS=step_blocks(tables.hidden, blocks),
         num_warps=num_warps or warps_for(block_rows, tables.gate_type),
     )
 

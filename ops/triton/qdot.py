@@ -20,8 +20,6 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from gguf import GGMLQuantizationType
 
-from ops.quants import format_of
-
 QType = GGMLQuantizationType
 
 Q4_K = tl.constexpr(int(QType.Q4_K))
@@ -48,15 +46,6 @@ def step_blocks(num_cols: int, blocks: int = 0) -> int:
         return blocks
     n = num_cols // 32
     return (n | 8) & -(n | 8)
-
-
-def split_k(num_cols: int, qtype: QType, most: int) -> int:
-    """The most programs, at most `most`, that can share a row of `num_cols` columns in `qtype`, each taking whole
-    blocks of the same count (super-blocks of 256 for the K-quants, blocks of 32 for the others)."""
-    blocks = num_cols // format_of(qtype).block_size
-    if blocks == 0:
-        return 1
-    return max(s for s in range(1, max(1, most) + 1) if blocks % s == 0)
 
 
 @triton.jit
@@ -195,7 +184,7 @@ def _kquant_bits(qs, fifth, E: tl.constexpr, N: tl.constexpr, FIFTH: tl.constexp
 
 @triton.jit
 def _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-                 K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, FIFTH: tl.constexpr, STAGES: tl.constexpr):
+                 K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, FIFTH: tl.constexpr):
     """Q4_K (FIFTH=False) or Q5_K rows; wa, wb: int32 pointers `[BR]` to each row's first word.
     Tile per super-block: qs words `[2 (ih), BR, 4 (j), 4 (il)]`, word 8j + 4ih + il; byte k of word i
     of chunk j holds weights 64j + 4i + k (low nibble, sub-block 2j) and 64j + 32 + 4i + k (high
@@ -210,7 +199,7 @@ def _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     mzero = tl.zeros([1, wa.shape[0], 4, 1], tl.float32)
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = mzero, mzero, mzero, mzero, mzero, mzero, mzero, mzero
-    for sb in tl.range(K // 256, num_stages=STAGES):
+    for sb in range(K // 256):
         ba = tl.multiple_of(wa + WORDS * sb, 16)
         bb = tl.multiple_of(wb + WORDS * sb, 16)
         qa = tl.load(ba[None, :, None, None] + QS + word)
@@ -274,7 +263,7 @@ def _q6k_scales(blk, m, c, NIB: tl.constexpr):
 
 @triton.jit
 def _q6k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, STAGES: tl.constexpr):
+              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr):
     """Q6_K rows; wa, wb: int16 pointers `[BR]` to each row. Per super-block (105 halves): ql halves
     0..63, qh 64..95, int8 scales at bytes 192..207, fp16 d at half 104. Tile `[BR, 8 (m), 8 (c)]`
     over ql half 8m + c with m = 4h + 2a + u: byte b holds weights 128h + 32a + 16u + 2c + b (low
@@ -284,7 +273,7 @@ def _q6k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
     zero = tl.zeros([wa.shape[0], 8, 8], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for sb in tl.range(K // 256, num_stages=STAGES):
+    for sb in range(K // 256):
         ba = wa + 105 * sb
         bb = wb + 105 * sb
         qla, qha = _q6k_load(ba, m, c)
@@ -336,14 +325,14 @@ def _q80_load(start, c, m):
 
 @triton.jit
 def _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr):
+              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr):
     """Q8_0 rows; wa, wb: int16 pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 halves]`;
     byte b of half 1 + m of block c, xor 0x80, is the int8 code of weight 32c + 2m + b, plus 128."""
     m = tl.arange(0, 16)[None, None, :]
     zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for g in tl.range((K // 32 + NB - 1) // NB, num_stages=STAGES):
+    for g in range((K // 32 + NB - 1) // NB):
         c, valid = _blocks(g, K // 32, NB)
         qa, da = _q80_load(wa, c, m)
         qb, db = qa, da
@@ -374,14 +363,14 @@ def _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
 
 @triton.jit
 def _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr):
+              K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, NB: tl.constexpr):
     """Q4_0 rows; wa, wb: int16 pointers `[BR]` to each row. Tile `[BR, NB blocks, 8 halves]`; byte b of half 1 + m
     of block c holds weights 32c + 2m + b (low nibble) and 32c + 16 + 2m + b (high); w = d * (q - 8)."""
     m = tl.arange(0, 8)[None, None, :]
     zero = tl.zeros([wa.shape[0], NB, 8], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for g in tl.range((K // 32 + NB - 1) // NB, num_stages=STAGES):
+    for g in range((K // 32 + NB - 1) // NB):
         c, valid = _blocks(g, K // 32, NB)
         qa = tl.load(wa[:, None, None] + 9 * c + 1 + m).to(tl.int32)
         da = _f16(tl.load(wa[:, None, None] + 9 * c + 0 * m).to(tl.int32))
@@ -440,12 +429,12 @@ def _e2m1(code, SHIFT: tl.constexpr):
 
 @triton.jit
 def _mxfp4_rows(wa, wb, x0, x1, x2, x3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
-                NB: tl.constexpr, STAGES: tl.constexpr):
+                NB: tl.constexpr):
     """MXFP4 rows; wa, wb: byte pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 bytes]`; no code offset."""
     j = tl.arange(0, 16)[None, None, :]
     zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for g in tl.range((K // 32 + NB - 1) // NB, num_stages=STAGES):
+    for g in range((K // 32 + NB - 1) // NB):
         c, valid = _blocks(g, K // 32, NB)
         qa, sa = _mxfp4_load(wa, c, j)
         qb, sb = qa, sa
@@ -466,38 +455,36 @@ def _mxfp4_rows(wa, wb, x0, x1, x2, x3, K: tl.constexpr, BT: tl.constexpr, TWO: 
 
 @triton.jit
 def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, magic,
-             FMT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, BLOCKS: tl.constexpr,
-             STAGES: tl.constexpr):
+             FMT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr, BLOCKS: tl.constexpr):
     """Dots of rows `rows` (`[BR]`, all in range) of the matrices at byte addresses addr_a and, if TWO,
     addr_b (int64, 16-byte aligned, rows of row_bytes, format FMT, K columns) with activation rows
     x0..x3 (pointers to rows prepared for FMT; BT slots used) and their sums per 16 columns s0..s3
     (pointers); magic = 0x4B000000. Nothing is masked: callers clamp rows and point empty slots at a valid row.
     BLOCKS (Q8_0, Q4_0, MXFP4; the others read a super-block a step): blocks of 32 a step, a power of two
     (`step_blocks`); a row that BLOCKS does not divide ends in a step whose blocks past the row are read and
-    weighted 0. STAGES: the loop's software pipeline (Triton's `num_stages`): above 1, the next steps' weight words are
-    copied into shared memory (cp.async) while this step computes, so more loads are in flight; 1: none.
+    weighted 0.
     Returns `[BR]` float32 for (a, slot 0..3), then (b, slot 0..3)."""
     if FMT == Q4_K or FMT == Q5_K:
         wa = addr_a.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
         wb = addr_b.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
-        out = _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO, FMT == Q5_K, STAGES)
+        out = _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO, FMT == Q5_K)
     elif FMT == Q6_K:
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
-        out = _q6k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO, STAGES)
+        out = _q6k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO)
     elif FMT == MXFP4:
         wa = addr_a.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
-        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, K, BT, TWO, BLOCKS, STAGES)
+        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, K, BT, TWO, BLOCKS)
     else:
         tl.static_assert(FMT == Q8_0 or FMT == Q4_0, "rows_dot: no kernel for this format")
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         if FMT == Q8_0:
             out = _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
-                            BLOCKS, STAGES)
+                            BLOCKS)
         else:
             out = _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
-                            BLOCKS, STAGES)
+                            BLOCKS)
     return out
 

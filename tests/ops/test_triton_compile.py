@@ -23,7 +23,7 @@ from ops.triton.down import _down_kernel  # noqa: E402
 from ops.triton.fused import _gated_act_kernel, _sandwich_kernel  # noqa: E402
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
-from ops.triton.qdot import KERNEL_TYPES, split_k, step_blocks  # noqa: E402
+from ops.triton.qdot import KERNEL_TYPES, step_blocks  # noqa: E402
 from tools.sass_loops import NVDISASM, PREFILL_TYPES, compile_sm90, weight_loops  # noqa: E402
 
 
@@ -43,28 +43,24 @@ def has_cuda_backend() -> bool:
 
 needs_backend = pytest.mark.skipif(not has_cuda_backend(), reason="triton has no CUDA backend to compile with")
 # every format with the plain math; the 32-block formats and the Q4_K_M layout with every activation and biases
-# the 32-block formats also with 8 blocks a step, which rows of 90 and 22 blocks end in a step past the row; every
-# format also with its weight loops pipelined in 3 stages
-VARIANTS = [(t, "silu", False, 0, 1) for t in KERNEL_TYPES] + \
-    [(t, act, True, 0, 1) for t in (QType.Q4_0, QType.MXFP4, QType.Q4_K) for act in ACTIVATIONS] + \
-    [(t, "silu", False, 8, 1) for t in (QType.Q8_0, QType.Q4_0, QType.MXFP4)] + \
-    [(t, "silu", False, 0, 3) for t in KERNEL_TYPES]
+# the 32-block formats also with 8 blocks a step, which rows of 90 and 22 blocks end in a step past the row
+VARIANTS = [(t, "silu", False, 0) for t in KERNEL_TYPES] + \
+    [(t, act, True, 0) for t in (QType.Q4_0, QType.MXFP4, QType.Q4_K) for act in ACTIVATIONS] + \
+    [(t, "silu", False, 8) for t in (QType.Q8_0, QType.Q4_0, QType.MXFP4)]
 
 
 @needs_backend
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].name}-{v[1]}{'-biases' if v[2] else ''}"
-                                                             f"{f'-blocks{v[3]}' if v[3] else ''}"
-                                                             f"{f'-stages{v[4]}' if v[4] > 1 else ''}")
-def test_gate_up_and_down_compile_for_sm90(variant: tuple[QType, str, bool, int, int]) -> None:
-    qtype, activation, biases, blocks, stages = variant
+                                                             f"{f'-blocks{v[3]}' if v[3] else ''}")
+def test_gate_up_and_down_compile_for_sm90(variant: tuple[QType, str, bool, int]) -> None:
+    qtype, activation, biases, blocks = variant
     hidden, ff = (2048, 768) if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else (2880, 704)
     compile_for_sm90(_gate_up_kernel, {"alpha": "fp32", "limit": "fp32"},
                      dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BT=1, BR=16,
                           WINDOW=64, GROUP=16, FILL=True, COPY=1024, ACT=ACTIVATIONS[activation], BIAS=biases,
-                          BLOCKS=step_blocks(hidden, blocks), STAGES=stages))
+                          BLOCKS=step_blocks(hidden, blocks)))
     compile_for_sm90(_down_kernel, {}, dict(DOWN_FMT=int(qtype), FF=ff, BT=2, BR=32, WINDOW=64, FILL=True,
-                                            COPY=1024, BIAS=biases, BLOCKS=step_blocks(ff, blocks),
-                                            SPLITS=split_k(ff, qtype, 3), STAGES=stages))
+                                            COPY=1024, BIAS=biases, BLOCKS=step_blocks(ff, blocks)))
 
 
 @needs_backend

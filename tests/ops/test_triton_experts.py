@@ -28,7 +28,6 @@ from ops.expert_math import ExpertMath
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
 from ops.triton import ExpertTables, LaunchConfig, expert_ffn_triton, grouped_expert_ffn, tables_from_bank  # noqa: E402
-from ops.triton.down import launch_down  # noqa: E402
 from ops.triton.experts import gate_format  # noqa: E402
 from ops.triton.prepare import Prepared, launch_prepare  # noqa: E402
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
@@ -72,8 +71,6 @@ class Case:
     activation: str = "silu"
     biases: bool = False
     blocks: int = 0  # blocks of 32 a step of the 32-block formats (0: by the row)
-    down_splits: int = 1  # programs sharing a down row's columns (at most)
-    stages: int = 1  # the weight loops' software pipeline
 
 
 def random_math(case: Case, generator: torch.Generator) -> ExpertMath:
@@ -141,8 +138,7 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     out = torch.full((case.num_tokens, case.hidden), float("nan"), device=device)
     poison_allocator(device, 64 << 20)
     grouped_expert_ffn(x.to(device), token_ids.to(device), expert_ids.to(device), weights.to(device), tables,
-                       out=out, config=LaunchConfig(case.gate_up_rows, case.down_rows, case.block_tokens, case.blocks,
-                                                     case.down_splits, case.stages))
+                       out=out, config=LaunchConfig(case.gate_up_rows, case.down_rows, case.block_tokens, case.blocks))
     assert out.isfinite().all(), "unwritten or non-finite outputs"
     error = relative_error(out, ref)
     assert error < RTOL, f"{case}: relative error {error:.2e}"
@@ -230,30 +226,6 @@ def test_more_blocks_a_step(types: tuple[QType, QType, QType], blocks: int, shap
     case = Case(types, 3, torch.bfloat16, hidden=shape[0], ff=shape[1], num_experts=8, top_k=4, biases=True,
                 blocks=blocks)
     run_case(case, CUDA, seed=int(torch.randint(1 << 30, ())))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 8])
-@pytest.mark.parametrize("types", FORMATS[:-1], ids=lambda t: "-".join(q.name for q in t))
-def test_pipelined_weight_loops(types: tuple[QType, QType, QType], num_tokens: int) -> None:
-    """`LaunchConfig.stages`: the weight loops' words copied ahead into shared memory, the same result."""
-    run_case(Case(types, num_tokens, torch.bfloat16, hidden=2048, ff=768, num_experts=16, top_k=8, stages=3), CUDA,
-             seed=int(torch.randint(1 << 30, ())))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("splits", [2, 3, 4])
-@pytest.mark.parametrize("case", [Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), 8, torch.bfloat16, hidden=2048, ff=768,
-                                       num_experts=16, top_k=8, biases=True),
-                                  Case((QType.MXFP4,) * 3, 1, torch.bfloat16, hidden=2880, ff=2880, num_experts=8,
-                                       top_k=4, activation="swiglu_oai", biases=True),
-                                  Case((QType.Q4_0,) * 3, 8, torch.bfloat16, hidden=2816, ff=704, num_experts=16,
-                                       top_k=8, activation="gelu")],
-                         ids=["qwen3-q4_k_m", "gpt-oss-mxfp4", "gemma4-q4_0"])
-def test_down_rows_split_over_programs(case: Case, splits: int) -> None:
-    """`LaunchConfig.down_splits` at the presets' shapes: what divides a row in whole blocks (Qwen3's 3 super-blocks
-    of ff take 3, Gemma 4's 22 blocks 2), the same result."""
-    run_case(replace(case, down_splits=splits), CUDA, seed=int(torch.randint(1 << 30, ())))
 
 
 @pytest.mark.gpu
@@ -373,11 +345,6 @@ def test_launcher_rejects_bad_inputs() -> None:
     host = random_bank(case, generator)  # pageable host memory: not readable by the GPU
     with pytest.raises(ValueError, match="cannot be read"):
         expert_ffn_triton(x, token_ids, expert_ids, weights, host)
-    tables, pairs = tables_from_bank(device_bank, CUDA), expert_ids.shape[0]
-    h, h_sums = torch.zeros(pairs, case.ff, device=CUDA), torch.zeros(pairs, case.ff // 16, device=CUDA)
-    y = torch.empty(2, pairs, case.hidden, device=CUDA)
-    with pytest.raises(ValueError, match="splits 2"):  # ff 256: one Q4_K super-block, not two
-        launch_down(h, h_sums, expert_ids, weights, tables, y, splits=2)
 
 
 # --- anywhere -----------------------------------------------------------------------------------------
@@ -427,19 +394,9 @@ INTERPRETER_CASES = [
     # 16 blocks a step over rows of 24 and 5 blocks: the last step reaches past the row
     Case((QType.Q4_0, QType.MXFP4, QType.Q8_0), num_tokens=2, hidden=768, ff=160, num_experts=3, top_k=2,
          gate_up_rows=32, biases=True, blocks=16),
-    # the down rows' columns split over programs: 2 of Q6_K's 2 super-blocks (the down bias added once), 5 of 5
-    # blocks of 32
-    Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=3, hidden=256, ff=512, num_experts=3, top_k=2,
-         gate_up_rows=32, biases=True, down_splits=2),
-    Case((QType.Q4_0, QType.MXFP4, QType.Q8_0), num_tokens=2, hidden=256, ff=160, num_experts=3, top_k=2,
-         gate_up_rows=32, down_splits=5),
-    # the weight loops pipelined (what the interpreter runs is the loop itself)
-    Case((QType.Q4_K,) * 3, num_tokens=2, hidden=512, ff=256, num_experts=3, top_k=2, gate_up_rows=32, stages=3),
 ]
 INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens} {c.activation}"
-                       f"{' biases' if c.biases else ''}{f' blocks={c.blocks}' if c.blocks else ''}"
-                       f"{f' down_splits={c.down_splits}' if c.down_splits > 1 else ''}"
-                       f"{f' stages={c.stages}' if c.stages > 1 else ''}",
+                       f"{' biases' if c.biases else ''}{f' blocks={c.blocks}' if c.blocks else ''}",
                        lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("bf16 out", lambda seed: check_16bit_out(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
 INTERPRETER_CHECKS.append(("prepared x",
