@@ -120,9 +120,15 @@ def graph_us(calls: Callable[[], object], repeats: int) -> float:
 
 def decode(repeats: int) -> None:
     from ops.triton import LaunchConfig, grouped_expert_ffn, tables_from_bank
-    layer = bank(LAYERS[0])
+    # DECODE_TYPES=Q4_K: one format in all three matrices (else Q4_K_M's mix); DECODE_CONFIGS: more launch configs,
+    # gate_up_rows:down_rows:block_tokens:blocks each, comma-separated
+    named = os.environ.get("DECODE_TYPES")
+    layer = bank((QType[named],) * 3 if named else LAYERS[0])
     tables = tables_from_bank(layer, CUDA)
     configs = {"decode kernels": LaunchConfig()}
+    for spec in filter(None, os.environ.get("DECODE_CONFIGS", "").split(",")):
+        rows, down_rows, block_tokens, blocks = (int(v) for v in spec.split(":"))
+        configs[spec] = LaunchConfig(rows, down_rows, block_tokens or None, blocks)
     print(f"{'tokens':>6} " + " ".join(f"{name + ' us':>17}" for name in configs) + f" {'fused us':>9} {'rel diff':>9}",
           flush=True)
     for num_tokens in (1, 8, 16, 32):
@@ -146,7 +152,8 @@ def main(repeats: int, budget_s: float) -> None:
     print(f"{'format g/u/d':<16} {'tokens':>6} {'dequant ms':>11} {'fused ms':>9} {'speedup':>8} "
           f"{'rel diff':>9} {'t (s)':>6}", flush=True)
     skipped = []
-    for types in LAYERS:
+    named = os.environ.get("DECODE_TYPES")  # one format in all three matrices (else every layer of LAYERS)
+    for types in [(QType[named],) * 3] if named else LAYERS:
         if elapsed() > budget_s:
             skipped.append("/".join(t.name for t in types))
             continue

@@ -28,8 +28,8 @@ from ops import quants
 from ops.quants import QType
 from ops.triton import moe_gemm
 from ops.triton.down import _down_kernel
-from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel, warps_for
-from ops.triton.qdot import KERNEL_TYPES, step_blocks
+from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel, default_blocks, warps_for
+from ops.triton.qdot import KERNEL_TYPES, reads_int8, step_blocks
 
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 ROWS, DOWN_ROWS = 16, 32
@@ -80,8 +80,17 @@ def compile_sass(kernel: triton.JITFunction, constexprs: Mapping[str, object], w
         return subprocess.run([NVDISASM, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
 
 
-def step_weights(qtype: QType, cols: int) -> int:
-    return 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32 * step_blocks(cols, BLOCKS)
+def gate_up_blocks(qtype: QType) -> int:
+    """The gate/up launch's blocks a step at batch 1."""
+    hidden = SHAPES[qtype][0]
+    return step_blocks(hidden, BLOCKS or default_blocks(qtype, 1), qtype)
+
+
+def step_weights(qtype: QType, blocks: int) -> int:
+    """Weights of a row a step: `blocks` of 32 (Q4_K on int8: whole super-blocks), a super-block (Q5_K, Q6_K)."""
+    if qtype == QType.Q4_K and reads_int8(qtype):
+        return 256 * max(1, blocks // 8)
+    return 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32 * blocks
 
 
 def launch_values(qtype: QType, top_k: int = 8) -> dict[str, int]:
@@ -101,13 +110,14 @@ def kernels(qtype: QType) -> list[tuple[str, str, int]]:
     values = launch_values(qtype)
     common = dict(WINDOW=64, FILL=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1)
     gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BR=ROWS, GROUP=16,
-                   ACT=ACTIVATIONS[activation], BLOCKS=step_blocks(hidden, BLOCKS), **common)
-    down = dict(DOWN_FMT=int(qtype), FF=ff, BR=DOWN_ROWS, BLOCKS=step_blocks(ff, BLOCKS), **common)
+                   ACT=ACTIVATIONS[activation], BLOCKS=gate_up_blocks(qtype), **common)
+    down_blocks = step_blocks(ff, BLOCKS, qtype)
+    down = dict(DOWN_FMT=int(qtype), FF=ff, BR=DOWN_ROWS, BLOCKS=down_blocks, **common)
     up_warps, down_warps = warps_for(ROWS, qtype), warps_for(DOWN_ROWS)
     return [("gate/up", compile_sass(_gate_up_kernel, gate_up, up_warps, values),
-             ROWS * step_weights(qtype, hidden) * 2 // (32 * up_warps)),
+             ROWS * step_weights(qtype, gate_up_blocks(qtype)) * 2 // (32 * up_warps)),
             ("down", compile_sass(_down_kernel, down, down_warps, values),
-             DOWN_ROWS * step_weights(qtype, ff) // (32 * down_warps))]
+             DOWN_ROWS * step_weights(qtype, down_blocks) // (32 * down_warps))]
 
 
 def prefill_kernels(qtype: QType) -> list[tuple[str, str, int]]:

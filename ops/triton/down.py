@@ -108,6 +108,6 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
         fill.flags if fill is not None else expert_ids, (fill.host if fill is not None else tables).down_ptrs, biases,
         DOWN_FMT=int(tables.down_type), FF=tables.ff,
         BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs), FILL=fill is not None, COPY=COPY_BLOCK,
-        BIAS=down_bias is not None, BLOCKS=step_blocks(tables.ff, blocks),
+        BIAS=down_bias is not None, BLOCKS=step_blocks(tables.ff, blocks, tables.down_type),
         num_warps=num_warps or warps_for(block_rows),
     )

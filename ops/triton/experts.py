@@ -23,7 +23,7 @@ from ops.triton.down import launch_down
 from ops.triton.fallback import down_fallback, gate_up_fallback
 from ops.triton.gate_up import default_block_tokens, launch_gate_up
 from ops.triton.prepare import Prepared, launch_prepare
-from ops.triton.qdot import GROUP, has_kernel
+from ops.triton.qdot import GROUP, has_kernel, reads_int8
 from ops.triton.stage import Fill, fill_experts
 from ops.triton.tables import ExpertTables, QType
 
@@ -109,6 +109,8 @@ def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
         x_up = x_gate if tables.up_type == tables.gate_type else launch_prepare(x, tables.up_type)[0]
         launch_gate_up(x_gate, x_up, x_sums, token_ids, expert_ids, tables, h, h_sums,
                        block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill, blocks=config.blocks)
+        if reads_int8(tables.down_type):  # h came out in natural order: its planes are quantized per row
+            h, h_sums = launch_prepare(h, tables.down_type)
     else:
         gate_up_fallback(x, token_ids, expert_ids, tables, h)
         if has_kernel(tables.down_type):

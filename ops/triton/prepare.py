@@ -1,4 +1,9 @@
-"""Activations in the order and scale the expert kernels read them, plus their sums per 16 columns."""
+"""Activations in the order and scale the expert kernels read them, plus their sums per 16 columns.
+
+A format of `qdot.INT8_TYPES` reads x as two int8 planes instead, in x's float32 row of `cols` values (4 * cols
+bytes): int8 plane 0 `[cols]`, int8 plane 1 `[cols]`, float32 d `[cols // 32]`, with x ~= d * (q0 + q1 / 256) per
+block of 32 (q0 = x / d rounded, d = max |x| / 127; q1 the rest on a 256 times finer grid, both in [-127, 127]); the
+sums per 16 are then those of the planes' values, so that a weight's code and offset terms meet the same x."""
 
 from __future__ import annotations
 
@@ -9,20 +14,52 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.triton.checks import FLOAT_DTYPES, check_rows
-from ops.triton.qdot import GROUP, has_kernel, read_place
+from ops.triton.qdot import GROUP, INT8_TYPES, PLANE, has_kernel, read_place
 from ops.triton.tables import QType
+
+INT8_FMT = tl.constexpr(int(INT8_TYPES[0]) if INT8_TYPES else -2)
+assert len(INT8_TYPES) <= 1, "prepare_block tests one format code for the int8 planes"
+
+
+@triton.jit
+def _rounded(v):
+    """v rounded to the nearest integer (half to even; |v| < 2**22)."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _planes(v, col, in_cols, out, cols, block, BLOCK: tl.constexpr):
+    """Stores v `[BLOCK]` (columns `col` of a row) as int8 planes and d per 32 into the row at float32 pointer `out`
+    (the module's layout); returns the planes' values d * (q0 + q1 / 256)."""
+    blocks = tl.reshape(v, [BLOCK // 32, 32])
+    amax = tl.max(tl.abs(blocks), axis=1)
+    inverse = tl.where(amax > 0, 127.0 / amax, 0.0)[:, None]
+    d = amax * (1.0 / 127.0)
+    q0 = tl.minimum(tl.maximum(_rounded(blocks * inverse), -127.0), 127.0)
+    q1 = tl.minimum(tl.maximum(_rounded((blocks - d[:, None] * q0) * (inverse * PLANE)), -127.0), 127.0)
+    codes = out.to(tl.pointer_type(tl.int8), bitcast=True) + tl.reshape(col, [BLOCK // 32, 32])
+    mask = tl.reshape(in_cols, [BLOCK // 32, 32])
+    tl.store(codes, q0.to(tl.int8), mask=mask)
+    tl.store(codes + cols, q1.to(tl.int8), mask=mask)
+    index = block * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    tl.store(out + cols // 2 + index, d, mask=index < cols // 32)
+    return tl.reshape(d[:, None] * (q0 + q1 * (1.0 / PLANE)), [BLOCK])
 
 
 @triton.jit
 def prepare_block(x, x_stride, out, out_stride, sums, sums_stride, cols, row, block,
                   FMT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
-    """Columns block * BLOCK .. of x's row `row`: in the read order and scale of FMT, and their sums per GROUP."""
+    """Columns block * BLOCK .. of x's row `row`: in the read order and scale of FMT (or as int8 planes), and their
+    sums per GROUP."""
     row = row.to(tl.int64)
     col = block * BLOCK + tl.arange(0, BLOCK)
     in_cols = col < cols
     v = tl.load(x + row * x_stride + col, mask=in_cols, other=0.0).to(tl.float32)
-    place, factor = read_place(col, FMT)
-    tl.store(out + row * out_stride + place, v * factor, mask=in_cols)
+    if FMT == INT8_FMT:
+        v = _planes(v, col, in_cols, out + row * out_stride, cols, block, BLOCK)
+    else:
+        place, factor = read_place(col, FMT)
+        tl.store(out + row * out_stride + place, v * factor, mask=in_cols)
     group = block * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
     total = tl.sum(tl.reshape(v, [BLOCK // GROUP, GROUP]), axis=1)
     tl.store(sums + row * sums_stride + group, total, mask=group < cols // GROUP)
@@ -73,8 +110,9 @@ class Prepared:
 
 def launch_prepare(x: torch.Tensor, qtype: QType | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[rows, cols]` (float) -> (float32 `[rows, cols]` in the read order of the kernel of `qtype`,
-    each value times 2**-e for its code's bit position e; float32 sums of x per 16 columns
-    (`qdot.GROUP`) `[rows, cols // 16]`). None or a format without a kernel: natural order, factor 1."""
+    each value times 2**-e for its code's bit position e, or the int8 planes of the module's layout; float32 sums of
+    x per 16 columns (`qdot.GROUP`) `[rows, cols // 16]`). None or a format without a kernel: natural order,
+    factor 1."""
     p = Prepared.empty(x, qtype)
     if x.shape[0]:
         _prepare_kernel[(x.shape[0], p.blocks)](x, x.stride(0), p.x, p.x.stride(0), p.sums, p.sums.stride(0),

@@ -12,9 +12,18 @@ against the sum of its activations, also prepared. Per weight that is one or two
 two FMAs (one more per extra slot); everything is elementwise in the weight tile's register layout,
 and the sums over a row happen once, at the end. MXFP4's e2m1 codes (signed, no offset) are instead placed
 in an fp16 by three integer ops (`_e2m1`).
+
+Q4_K instead multiplies its codes with int8 activations (`INT8_TYPES`, `_q4k_rows`): x is prepared as two int8
+planes per block of 32, x ~= d * (q0 + q1 / 256) (the CPU kernels' form, `ops/csrc/quant.h`: one plane alone is
+1/254 of the block's max, enough to move a later router's choice), and four codes at a time meet four activations in
+one `dp4a` (integer dot of 4 bytes, accumulated), both planes in one int32 sum, 256 * (w . q0) + (w . q1). Per 8
+weights that is 3 bitwise ops to take the nibbles apart and 4 dp4a per activation row, where the float path spends
+about 4 instructions a weight.
 """
 
 from __future__ import annotations
+
+import os
 
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
@@ -31,18 +40,33 @@ MXFP4 = tl.constexpr(int(QType.MXFP4))
 KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)
 GROUP = 16  # activation sums are kept per 16 columns (the smallest sub-block, Q6_K's)
 MAGIC = 0x4B000000  # float32 bits of 2**23, passed to the kernels at run time (see _code_times)
+# formats whose kernels read x as two int8 planes (`prepare.prepare_block`); MOECACHE_INT8_EXPERTS=0 keeps Q4_K on
+# the float path (read at import: to compare the two)
+INT8_TYPES = (QType.Q4_K,) if os.environ.get("MOECACHE_INT8_EXPERTS", "1") != "0" else ()
+Q4K_INT8 = tl.constexpr(QType.Q4_K in INT8_TYPES)
+PLANE = tl.constexpr(256.0)  # plane 1's grid is 256 times finer than plane 0's
+# the interpreter runs no inline PTX: dp4a is then the same sum in Triton's integer ops
+EMULATE_DP4A = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def has_kernel(qtype: QType) -> bool:
     return qtype in KERNEL_TYPES
 
 
-def step_blocks(num_cols: int, blocks: int = 0) -> int:
+def reads_int8(qtype: QType | None) -> bool:
+    """Whether the kernel of `qtype` reads x as two int8 planes (else as floats in `read_place`'s order)."""
+    return qtype in INT8_TYPES
+
+
+def step_blocks(num_cols: int, blocks: int = 0, qtype: QType | None = None) -> int:
     """Blocks of 32 columns a step of the 32-block formats' loops (`rows_dot`'s BLOCKS): `blocks` where given (a
-    power of two), else the largest of 8, 4, 2, 1 that divides the row."""
+    power of two), else the largest of 8, 4, 2, 1 that divides the row. Q4_K on int8 (`qtype`) steps by whole
+    super-blocks that divide the row: the largest such multiple of 8 up to `blocks`."""
     if blocks:
         if blocks & (blocks - 1) or not 1 <= blocks <= 64:
             raise ValueError(f"blocks: expected a power of two in [1, 64], got {blocks}")
+        while qtype == QType.Q4_K and reads_int8(qtype) and blocks > 8 and num_cols // 32 % blocks:
+            blocks //= 2
         return blocks
     n = num_cols // 32
     return (n | 8) & -(n | 8)
@@ -73,7 +97,7 @@ def read_place(col, FMT: tl.constexpr):
         u = col % 32
         place = col - u + 16 * (u // 16) + 8 * (u % 2) + (u % 16) // 2
         e = 8 * (u % 2) + 4 * (u // 16)
-    else:  # MXFP4 too: its kernel reads the natural order
+    else:  # MXFP4 too: its kernel reads the natural order (Q4_K: `INT8_TYPES`)
         place = col
         e = col * 0
     return place, ((127 - e) << 23).to(tl.float32, bitcast=True)
@@ -235,6 +259,147 @@ def _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
     b0, b1, b2, b3 = _totals(b0, b1, b2, b3, mb0, mb1, mb2, mb3, BT)
     return a0, a1, a2, a3, b0, b1, b2, b3
 
+
+# --- Q4_K on int8 activations: 144-byte blocks of 256, fp16 d and dmin, 6-bit scales and mins ------------------
+
+
+@triton.jit
+def dp4a(a, b, c):
+    """int32 c + the dot of a's 4 unsigned bytes with b's 4 signed bytes (elementwise over int32 tensors)."""
+    if EMULATE_DP4A:
+        for k in tl.static_range(4):
+            c += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+        return c
+    else:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _k4_scales(blk, j, N: tl.constexpr):
+    """d * scale / 256 and dmin * min of sub-blocks 2j + N `[BR, SBS, 4]`; blk: int32
+    pointers to each super-block `[BR, SBS, 1]`. Scale bytes b[0..11] (words 1..3 of the block): s < 4:
+    b[s] & 63, b[s + 4] & 63; else (b[s + 4] & 15) | (b[s - 4] >> 6) << 4, (b[s + 4] >> 4) | (b[s] >> 6) << 4."""
+    head = tl.load(blk)  # fp16 d | dmin << 16
+    w1 = tl.load(blk + 1)
+    w2 = tl.load(blk + 2)
+    w3 = tl.load(blk + 3)
+    s = 2 * j + N
+    is_low = s < 4
+    shift = 8 * (s & 3)
+    sc = _byte_field(tl.where(is_low, w1, w3), w1, shift, tl.where(is_low, 63, 15), tl.where(is_low, 0, 48))
+    mn = _byte_field(tl.where(is_low, w2, w3 >> 4), w2, shift, tl.where(is_low, 63, 15), tl.where(is_low, 0, 48))
+    return _f16(head) * sc * (1.0 / PLANE), _f16(head >> 16) * mn
+
+
+@triton.jit
+def _quarters(t):
+    """`[BR, SBS, 4, 8]` -> its words 4h + k for k = 0, 1, 2, 3, each `[BR, SBS, 4, 2 (h)]` (a thread holds 4
+    consecutive words of a load: the splits stay in its registers)."""
+    a, b = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], 4, 2, 2, 2]))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _k4_isum(codes, p0, p1):
+    """Per sub-block: 256 * (codes . plane 0) + codes . plane 1 over the 8 words of each `[.., 8]` row, as chains of
+    dp4a (one shift per chain of 4 words, no adds)."""
+    c0, c1, c2, c3 = _quarters(codes)
+    x0, x1, x2, x3 = _quarters(p0)
+    y0, y1, y2, y3 = _quarters(p1)
+    total = dp4a(c3, x3, dp4a(c2, x2, dp4a(c1, x1, dp4a(c0, x0, tl.zeros_like(c0)))))
+    total = dp4a(c3, y3, dp4a(c2, y2, dp4a(c1, y1, dp4a(c0, y0, total << 8))))
+    return tl.sum(total, axis=3)
+
+
+@triton.jit
+def _k4_slot(x, s, words, block, group, K: tl.constexpr):
+    """One activation row's int8 planes at `words` (low nibbles) and words + 8 (high), its d per 32 of sub-blocks
+    `block` and block + 1, and the sums of sub-blocks from group 16s `group`: (plane words lo0, hi0, lo1, hi1,
+    d lo, d hi, sum lo, sum hi)."""
+    xw = x.to(tl.pointer_type(tl.int32), bitcast=True)
+    lo0 = tl.load(xw + words)
+    hi0 = tl.load(xw + words + 8)
+    lo1 = tl.load(xw + K // 4 + words)
+    hi1 = tl.load(xw + K // 4 + words + 8)
+    dlo = tl.load(x + K // 2 + block)
+    dhi = tl.load(x + K // 2 + block + 1)
+    slo = tl.load(s + group) + tl.load(s + group + 1)
+    shi = tl.load(s + group + 2) + tl.load(s + group + 3)
+    return lo0, hi0, lo1, hi1, dlo, dhi, slo, shi
+
+
+@triton.jit
+def _k4_acc(acc, macc, lo, hi, dsl, dsh, dml, dmh, lo0, hi0, lo1, hi1, dlo, dhi, slo, shi):
+    """The code terms (acc) and min terms (macc) of one matrix and one activation row."""
+    acc += _k4_isum(lo, lo0, lo1).to(tl.float32) * (dsl * dlo) + _k4_isum(hi, hi0, hi1).to(tl.float32) * (dsh * dhi)
+    macc += dml * slo + dmh * shi
+    return acc, macc
+
+
+@triton.jit
+def _k4_accs(a0, a1, a2, a3, m0, m1, m2, m3, lo, hi, dsl, dsh, dml, dmh, x0, x1, x2, x3, s0, s1, s2, s3,
+             words, block, group, K: tl.constexpr, BT: tl.constexpr):
+    """`_k4_acc` over the BT activation rows."""
+    v = _k4_slot(x0, s0, words, block, group, K)
+    a0, m0 = _k4_acc(a0, m0, lo, hi, dsl, dsh, dml, dmh, *v)
+    if BT > 1:
+        v = _k4_slot(x1, s1, words, block, group, K)
+        a1, m1 = _k4_acc(a1, m1, lo, hi, dsl, dsh, dml, dmh, *v)
+    if BT > 2:
+        v = _k4_slot(x2, s2, words, block, group, K)
+        a2, m2 = _k4_acc(a2, m2, lo, hi, dsl, dsh, dml, dmh, *v)
+        v = _k4_slot(x3, s3, words, block, group, K)
+        a3, m3 = _k4_acc(a3, m3, lo, hi, dsl, dsh, dml, dmh, *v)
+    return a0, a1, a2, a3, m0, m1, m2, m3
+
+
+@triton.jit
+def _q4k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
+              SBS: tl.constexpr):
+    """Q4_K rows on int8 activations (`INT8_TYPES`); wa, wb: int32 pointers `[BR]` to each row's first word; x0..x3
+    rows prepared as two planes (`prepare.prepare_block`), s0..s3 the sums per 16 of their values. Tile per step:
+    qs words `[BR, SBS super-blocks, 4 (j), 8 (i)]`; byte k of word 8j + i holds the codes of weights 64j + 4i + k
+    (low nibble, sub-block 2j) and 64j + 32 + 4i + k (high nibble, sub-block 2j + 1): the natural order of x's int8
+    words 16j + i and 16j + 8 + i. Scales and sums are `[BR, SBS, 4]`, one per (super-block, j)."""
+    sbs = tl.arange(0, SBS)[None, :, None]
+    j = tl.arange(0, 4)[None, None, :]
+    i = tl.arange(0, 8)[None, None, None, :]
+    zero = tl.zeros([wa.shape[0], SBS, 4], tl.float32)
+    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
+    ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
+    tl.static_assert(K // 256 % SBS == 0, "Q4_K: the super-blocks a step must divide the row's")
+    for step in range(K // 256 // SBS):
+        sb = step * SBS + sbs
+        # NOTE: the hint on each step's row pointers (`[BR]`) is what makes the weight loads 16 bytes wide
+        ba = tl.multiple_of(wa + 36 * SBS * step, 16)[:, None, None] + 36 * sbs
+        bb = tl.multiple_of(wb + 36 * SBS * step, 16)[:, None, None] + 36 * sbs
+        qs = 4 + 8 * j[:, :, :, None] + i
+        qa = tl.load(ba[:, :, :, None] + qs)
+        qb = qa
+        if TWO:
+            qb = tl.load(bb[:, :, :, None] + qs)
+        # x's words for every row: loads of the weights' shape take the weights' layout (16-byte loads; the
+        # rows' equal addresses are one load)
+        words = tl.zeros([wa.shape[0], SBS, 4, 8], tl.int32) + (64 * sb + 16 * j)[:, :, :, None] + i
+        block = 8 * sb + 2 * j
+        group = 16 * sb + 4 * j
+        dsl, dml = _k4_scales(ba, j, 0)
+        dsh, dmh = _k4_scales(ba, j, 1)
+        a0, a1, a2, a3, ma0, ma1, ma2, ma3 = _k4_accs(
+            a0, a1, a2, a3, ma0, ma1, ma2, ma3, qa & 0x0F0F0F0F, (qa >> 4) & 0x0F0F0F0F, dsl, dsh, dml, dmh,
+            x0, x1, x2, x3, s0, s1, s2, s3, words, block, group, K, BT)
+        if TWO:
+            dsl, dml = _k4_scales(bb, j, 0)
+            dsh, dmh = _k4_scales(bb, j, 1)
+            b0, b1, b2, b3, mb0, mb1, mb2, mb3 = _k4_accs(
+                b0, b1, b2, b3, mb0, mb1, mb2, mb3, qb & 0x0F0F0F0F, (qb >> 4) & 0x0F0F0F0F, dsl, dsh, dml, dmh,
+                x0, x1, x2, x3, s0, s1, s2, s3, words, block, group, K, BT)
+    a0, a1, a2, a3 = _totals(a0, a1, a2, a3, ma0, ma1, ma2, ma3, BT)
+    b0, b1, b2, b3 = _totals(b0, b1, b2, b3, mb0, mb1, mb2, mb3, BT)
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 # --- Q6_K: 210-byte blocks (2-byte aligned), read as 16-bit halves -------------------------------------
 
@@ -460,11 +625,15 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     addr_b (int64, 16-byte aligned, rows of row_bytes, format FMT, K columns) with activation rows
     x0..x3 (pointers to rows prepared for FMT; BT slots used) and their sums per 16 columns s0..s3
     (pointers); magic = 0x4B000000. Nothing is masked: callers clamp rows and point empty slots at a valid row.
-    BLOCKS (Q8_0, Q4_0, MXFP4; the others read a super-block a step): blocks of 32 a step, a power of two
-    (`step_blocks`); a row that BLOCKS does not divide ends in a step whose blocks past the row are read and
-    weighted 0.
+    BLOCKS (Q8_0, Q4_0, MXFP4; Q4_K reads BLOCKS / 8 super-blocks a step, at least one; Q5_K and Q6_K one): blocks
+    of 32 a step, a power of two (`step_blocks`); a row that BLOCKS does not divide ends in a step whose blocks past
+    the row are read and weighted 0. x0..x3 of an `INT8_TYPES` format are rows in `prepare.prepare_block`'s planes.
     Returns `[BR]` float32 for (a, slot 0..3), then (b, slot 0..3)."""
-    if FMT == Q4_K or FMT == Q5_K:
+    if FMT == Q4_K and Q4K_INT8:
+        wa = addr_a.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
+        wb = addr_b.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
+        out = _q4k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, (BLOCKS + 7) // 8)
+    elif FMT == Q4_K or FMT == Q5_K:
         wa = addr_a.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
         wb = addr_b.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
         out = _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO, FMT == Q5_K)
