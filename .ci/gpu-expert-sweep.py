@@ -42,7 +42,7 @@ from ops.triton.down import launch_down  # noqa: E402
 from ops.triton.experts import DEFAULT_CONFIG  # noqa: E402
 from ops.triton.gate_up import default_block_tokens, launch_gate_up, warps_for  # noqa: E402
 from ops.triton.prepare import launch_prepare  # noqa: E402
-from ops.triton.qdot import GROUP  # noqa: E402
+from ops.triton.qdot import GROUP, reads_int8  # noqa: E402
 
 DEVICE = torch.device("cuda")
 LAUNCHES = 20  # per graph
@@ -224,12 +224,18 @@ def make_bench(shape: Shape, num_tokens: int, tables: ExpertTables) -> Bench:
                   sum(ids.unique().numel() for ids in launches))
     token_ids, expert_ids, _ = routings[0]
     launch_gate_up(x_gate, x_up, x_sums, token_ids, expert_ids, tables, h, h_sums)  # h as down reads it
+    if reads_int8(tables.down_type):  # ... after its planes are made
+        planes, sums = launch_prepare(h, tables.down_type)
+        h.copy_(planes)
+        h_sums.copy_(sums)
     return bench
 
 
 def launcher(bench: Bench, config: Config) -> Callable[[int], object]:
     """launch(i): one launch of the config's kernel(s) on routing i."""
-    b, block_tokens = bench, default_block_tokens(bench.num_tokens)
+    b = bench
+    block_tokens = default_block_tokens(b.num_tokens, b.tables.gate_type)
+    down_tokens = default_block_tokens(b.num_tokens, b.tables.down_type)
 
     def gate_up(i: int) -> None:
         token_ids, expert_ids, _ = b.routings[i]
@@ -239,7 +245,7 @@ def launcher(bench: Bench, config: Config) -> Callable[[int], object]:
 
     def down(i: int) -> None:
         _, expert_ids, weights = b.routings[i]
-        launch_down(b.h, b.h_sums, expert_ids, weights, b.tables, b.y, block_tokens=block_tokens,
+        launch_down(b.h, b.h_sums, expert_ids, weights, b.tables, b.y, block_tokens=down_tokens,
                     block_rows=config.rows, num_warps=config.num_warps or None, blocks=config.blocks)
 
     def whole(i: int) -> torch.Tensor:

@@ -70,23 +70,25 @@ def grouped_expert_ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: tor
     check_rows("out", out, (num_tokens, tables.hidden), FLOAT_DTYPES, device)
     if num_tokens == 0:
         return out
-    block_tokens = config.block_tokens or default_block_tokens(num_tokens)
+    block_tokens = config.block_tokens or default_block_tokens(num_tokens, tables.gate_type)
+    down_tokens = config.block_tokens or default_block_tokens(num_tokens, tables.down_type)
     fused = all(has_kernel(t) for t in (tables.gate_type, tables.up_type, tables.down_type))
     if fill is not None and not fused:  # the fallback reads whole experts: copy them first
         fill_experts(expert_ids, tables, fill)
         fill = None
-    y = _ffn(x, token_ids, expert_ids, weights, tables, config, block_tokens, fill, prepared)
+    y = _ffn(x, token_ids, expert_ids, weights, tables, config, (block_tokens, down_tokens), fill, prepared)
     launch_combine(y, token_ids, out, extra=extra, bell=extra_bell)
     return out
 
 
 def _ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-         tables: ExpertTables, config: LaunchConfig, block_tokens: int, fill: Fill | None,
+         tables: ExpertTables, config: LaunchConfig, block_tokens: tuple[int, int], fill: Fill | None,
          prepared: Prepared | None) -> torch.Tensor:
-    """y `[pairs, hidden]`: each pair's weighted down(act(gate x, up x)) (the tables' math), 0 for skipped pairs."""
-    h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens, fill, prepared)
+    """y `[pairs, hidden]`: each pair's weighted down(act(gate x, up x)) (the tables' math), 0 for skipped pairs.
+    block_tokens: gate/up's and down's pairs a pass."""
+    h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens[0], fill, prepared)
     if has_kernel(tables.down_type):
-        launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens,
+        launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens[1],
                     block_rows=config.down_rows, fill=fill, blocks=config.blocks)
     else:
         down_fallback(h, expert_ids, weights, tables, y)

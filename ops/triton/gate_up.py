@@ -113,18 +113,24 @@ def _gate_up_kernel(
                      DOWN_FMT, BR, GROUP, ACT, BIAS)
 
 
-def default_block_tokens(num_tokens: int) -> int:
-    """Pairs of one expert computed per pass over its weights: enough to share a read, few enough
-    that empty slots (most experts have 1-3 tokens of a step) waste little arithmetic. Measured on
-    the H200 (docs/kernels.md): 1 is best at 8 tokens, 2 at 32, 4 is worse at both."""
-    return 1 if num_tokens <= 8 else 2
+def default_block_tokens(num_tokens: int, qtype: QType | None = None) -> int:
+    """Pairs of one expert computed per pass over its weights (for a kernel of format `qtype`): enough to share a
+    read, few enough that empty slots (most experts have 1-3 tokens of a step) waste little arithmetic. The float
+    kernels, on the H200 (docs/kernels.md): 1 is best at 8 tokens, 2 at 32, 4 is worse at both. Q4_K on int8
+    (`qdot.reads_int8`): 1 at every size, its second pass finding the weights in cache (H100, one Qwen3-30B-A3B Q4_K
+    layer, `.ci/gpu-moe-gemm.py decode`: 199.8 against 238.2 us at 16 tokens, 372.1 against 422.2 at 32, with
+    `default_blocks`)."""
+    return 1 if num_tokens <= 8 or reads_int8(qtype) else 2
 
 
 def default_blocks(qtype: QType, num_tokens: int) -> int:
-    """`rows_dot`'s blocks a step for gate/up (0: `qdot.step_blocks`' own): Q4_K on int8 reads 4 super-blocks a step
-    up to 8 tokens (one pair a pass): more loads in flight a thread. H100, one Qwen3-30B-A3B Q4_K layer
-    (`.ci/gpu-moe-gemm.py decode`): 111.8 against 134.5 us at 8 tokens, 25.4 against 25.0 at 1."""
-    return 32 if reads_int8(qtype) and num_tokens <= 8 else 0
+    """`rows_dot`'s blocks a step for gate/up (0: `qdot.step_blocks`' own). Q4_K on int8 reads 2 super-blocks a step
+    (blocks = 16), 4 from 2 to 8 tokens: more loads in flight a thread. H100, one Qwen3-30B-A3B Q4_K layer
+    (`.ci/gpu-moe-gemm.py decode`), one pair a pass, 1 super-block a step / 2 / 4: 1 token 26.0 / 24.2 / 26.0 us,
+    8 tokens 134.5 (2 pairs a pass) / 115.3 / 110.9, 16 tokens 223.3 / 199.8, 32 tokens 463.3 / 372.1."""
+    if not reads_int8(qtype):
+        return 0
+    return 32 if 2 <= num_tokens <= 8 else 16
 
 
 def warps_for(block_rows: int, qtype: QType | None = None) -> int:
@@ -161,7 +167,7 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
     check_vector("expert_ids", expert_ids, num_pairs, INDEX_DTYPES, device)
     check_rows("h", h, (num_pairs, tables.ff), (torch.float32,), device)
     check_rows("h_sums", h_sums, (num_pairs, tables.ff // GROUP), (torch.float32,), device)
-    bt = block_tokens or default_block_tokens(num_tokens)
+    bt = block_tokens or default_block_tokens(num_tokens, tables.gate_type)
     if bt not in (1, 2, 4) or block_rows < GROUP or triton.next_power_of_2(block_rows) != block_rows:
         raise ValueError(f"need block_tokens in 1, 2, 4 and block_rows a power of two >= {GROUP}, "
                          f"got {bt}, {block_rows}")
