@@ -60,12 +60,12 @@ def reads_int8(qtype: QType | None) -> bool:
 
 def step_blocks(num_cols: int, blocks: int = 0, qtype: QType | None = None) -> int:
     """Blocks of 32 columns a step of the 32-block formats' loops (`rows_dot`'s BLOCKS): `blocks` where given (a
-    power of two), else the largest of 8, 4, 2, 1 that divides the row. Q4_K on int8 (`qtype`) steps by whole
-    super-blocks that divide the row: the largest such multiple of 8 up to `blocks`."""
+    power of two), else the largest of 8, 4, 2, 1 that divides the row. An int8 format's kernel (`qtype`,
+    `reads_int8`) steps by whole super-blocks that divide the row: the largest such multiple of 8 up to `blocks`."""
     if blocks:
         if blocks & (blocks - 1) or not 1 <= blocks <= 64:
             raise ValueError(f"blocks: expected a power of two in [1, 64], got {blocks}")
-        while qtype == QType.Q4_K and reads_int8(qtype) and blocks > 8 and num_cols // 32 % blocks:
+        while reads_int8(qtype) and blocks > 8 and num_cols // 32 % blocks:
             blocks //= 2
         return blocks
     n = num_cols // 32
