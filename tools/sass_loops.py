@@ -88,7 +88,7 @@ def gate_up_blocks(qtype: QType) -> int:
 
 def step_weights(qtype: QType, blocks: int) -> int:
     """Weights of a row a step: `blocks` of 32 (Q4_K on int8: whole super-blocks), a super-block (Q5_K, Q6_K)."""
-    if reads_int8(qtype):
+    if qtype == QType.Q4_K and reads_int8(qtype):
         return 256 * max(1, blocks // 8)
     return 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32 * blocks
 

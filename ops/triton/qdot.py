@@ -40,10 +40,24 @@ MXFP4 = tl.constexpr(int(QType.MXFP4))
 KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)
 GROUP = 16  # activation sums are kept per 16 columns (the smallest sub-block, Q6_K's)
 MAGIC = 0x4B000000  # float32 bits of 2**23, passed to the kernels at run time (see _code_times)
-# formats whose kernels read x as two int8 planes (`prepare.prepare_block`); MOECACHE_INT8_EXPERTS=0 keeps Q4_K on
-# the float path (read at import: to compare the two)
-INT8_TYPES = (QType.Q4_K,) if os.environ.get("MOECACHE_INT8_EXPERTS", "1") != "0" else ()
+INT8_CAPABLE = (QType.Q4_K, QType.Q8_0, QType.Q4_0)  # formats with a kernel on int8 activations
+# the formats whose kernels read x as two int8 planes (`prepare.prepare_block`): MOECACHE_INT8_EXPERTS names them
+# (comma-separated; 0 or empty: none), read at import, to compare the paths; the default is those timed faster
+
+
+def _int8_types(value: str) -> tuple[QType, ...]:
+    names = [name.strip() for name in value.split(",") if name.strip() not in ("", "0")]
+    unknown = [name for name in names if name not in {t.name for t in INT8_CAPABLE}]
+    if unknown:
+        raise ValueError(f"MOECACHE_INT8_EXPERTS: {unknown} have no int8 kernel (formats: "
+                         f"{[t.name for t in INT8_CAPABLE]})")
+    return tuple(QType.__members__[name] for name in names)
+
+
+INT8_TYPES = _int8_types(os.environ.get("MOECACHE_INT8_EXPERTS", "Q4_K"))
 Q4K_INT8 = tl.constexpr(QType.Q4_K in INT8_TYPES)
+Q80_INT8 = tl.constexpr(QType.Q8_0 in INT8_TYPES)
+Q40_INT8 = tl.constexpr(QType.Q4_0 in INT8_TYPES)
 PLANE = tl.constexpr(256.0)  # plane 1's grid is 256 times finer than plane 0's
 # the interpreter runs no inline PTX: dp4a is then the same sum in Triton's integer ops
 EMULATE_DP4A = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -60,15 +74,18 @@ def reads_int8(qtype: QType | None) -> bool:
 
 def step_blocks(num_cols: int, blocks: int = 0, qtype: QType | None = None) -> int:
     """Blocks of 32 columns a step of the 32-block formats' loops (`rows_dot`'s BLOCKS): `blocks` where given (a
-    power of two), else the largest of 8, 4, 2, 1 that divides the row. An int8 format's kernel (`qtype`,
-    `reads_int8`) steps by whole super-blocks that divide the row: the largest such multiple of 8 up to `blocks`."""
+    power of two), else the largest of 8, 4, 2, 1 that divides the row (Q8_0 and Q4_0 on int8, `qtype`: 8, the
+    last step reading past the row as needed). Q4_K on int8 steps by whole super-blocks that divide the row: the
+    largest such multiple of 8 up to `blocks`."""
     if blocks:
         if blocks & (blocks - 1) or not 1 <= blocks <= 64:
             raise ValueError(f"blocks: expected a power of two in [1, 64], got {blocks}")
-        while reads_int8(qtype) and blocks > 8 and num_cols // 32 % blocks:
+        while qtype == QType.Q4_K and reads_int8(qtype) and blocks > 8 and num_cols // 32 % blocks:
             blocks //= 2
         return blocks
     n = num_cols // 32
+    if reads_int8(qtype) and qtype != QType.Q4_K:  # 8 blocks, the last step's past the row weighted 0
+        return min(8, triton.next_power_of_2(n))
     return (n | 8) & -(n | 8)
 
 
@@ -147,11 +164,13 @@ def _fma4(a0, a1, a2, a3, q, v0, v1, v2, v3, BT: tl.constexpr):
 
 @triton.jit
 def _total(a):
-    """Elementwise accumulator (any rank, rows on dim 1 or 0) -> row sums `[BR]`."""
+    """Elementwise accumulator (rank 2 to 4, rows on dim 1 at rank 4, else on dim 0) -> row sums `[BR]`."""
     if len(a.shape) == 4:
         total = tl.sum(tl.sum(tl.sum(a, axis=3), axis=2), axis=0)
-    else:
+    elif len(a.shape) == 3:
         total = tl.sum(tl.sum(a, axis=2), axis=1)
+    else:
+        total = tl.sum(a, axis=1)
     return total
 
 
@@ -264,12 +283,19 @@ def _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
 
 
 @triton.jit
-def dp4a(a, b, c):
-    """int32 c + the dot of a's 4 unsigned bytes with b's 4 signed bytes (elementwise over int32 tensors)."""
+def dp4a(a, b, c, SIGNED: tl.constexpr = False):
+    """int32 c + the dot of a's 4 unsigned bytes (SIGNED: signed) with b's 4 signed bytes (elementwise over int32
+    tensors)."""
     if EMULATE_DP4A:
         for k in tl.static_range(4):
-            c += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+            if SIGNED:
+                c += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+            else:
+                c += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
         return c
+    elif SIGNED:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
                                          is_pure=True, pack=1)
@@ -565,6 +591,91 @@ def _q40_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
     return a0, a1, a2, a3, b0, b1, b2, b3
 
 
+# --- Q8_0 and Q4_0 on int8 activations: 2-byte aligned blocks of 32, words put together from halves -------------
+
+
+@triton.jit
+def _block_words(start, c, i, HALVES: tl.constexpr):
+    """Words i `[BR, NB, W]` of the codes of blocks c (`[1, NB, 1]`) of rows `start` (int16 pointers `[BR]`, blocks
+    of HALVES halves, the fp16 d first): halves 1 + 2i and 2 + 2i put together."""
+    low = tl.load(start[:, None, None] + HALVES * c + 1 + 2 * i).to(tl.int32) & 0xFFFF
+    return low | (tl.load(start[:, None, None] + HALVES * c + 2 + 2 * i).to(tl.int32) << 16)
+
+
+@triton.jit
+def _b32_slot(x, s, c, i, K: tl.constexpr, W: tl.constexpr):
+    """One activation row's int8 plane words for blocks c: words 8c + i (W = 8: the block's 32 columns; W = 4: its
+    first 16, then words 8c + 4 + i its last 16), its d per 32 and its block sums."""
+    xw = x.to(tl.pointer_type(tl.int32), bitcast=True)
+    words = 8 * c + i
+    lo0, lo1 = tl.load(xw + words), tl.load(xw + K // 4 + words)
+    hi0, hi1 = lo0, lo1
+    if W == 4:
+        hi0, hi1 = tl.load(xw + words + 4), tl.load(xw + K // 4 + words + 4)
+    block = tl.sum(c, axis=2)  # [1, NB]
+    return lo0, lo1, hi0, hi1, tl.load(x + K // 2 + block), tl.load(s + 2 * block) + tl.load(s + 2 * block + 1)
+
+
+@triton.jit
+def _b32_acc(acc, macc, qa, ds, dm, lo0, lo1, hi0, hi1, dx, xs, NIBBLES: tl.constexpr):
+    """A matrix's block terms for one activation row: acc += (256 (w . q0) + w . q1) d / 256 * dx, per block; Q4_0
+    (NIBBLES) also macc += 8 d * the block's sum."""
+    if NIBBLES:
+        lo, hi = qa & 0x0F0F0F0F, (qa >> 4) & 0x0F0F0F0F
+        total = dp4a(hi, hi0, dp4a(lo, lo0, tl.zeros_like(qa)))
+        total = dp4a(hi, hi1, dp4a(lo, lo1, total << 8))
+        macc += dm * xs
+    else:
+        total = dp4a(qa, lo1, dp4a(qa, lo0, tl.zeros_like(qa), True) << 8, True)
+    acc += tl.sum(total, axis=2).to(tl.float32) * (ds * dx)
+    return acc, macc
+
+
+@triton.jit
+def _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
+              NB: tl.constexpr, NIBBLES: tl.constexpr):
+    """Q4_0 (NIBBLES: 18-byte blocks, byte j's low nibble weight j and high nibble weight 16 + j, w = d (q - 8)) or
+    Q8_0 (34-byte blocks of int8 codes, w = d q) rows on int8 activations; wa, wb: int16 pointers `[BR]` to each row.
+    Tile `[BR, NB blocks, W words]` (W = 4 or 8), NB blocks a step (`_blocks`)."""
+    W: tl.constexpr = 4 if NIBBLES else 8
+    HALVES: tl.constexpr = 9 if NIBBLES else 17
+    i = tl.zeros([wa.shape[0], NB, W], tl.int32) + tl.arange(0, W)[None, None, :]  # the weights' shape for x too
+    zero = tl.zeros([wa.shape[0], NB], tl.float32)
+    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
+    ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
+    for g in range((K // 32 + NB - 1) // NB):
+        c, valid = _blocks(g, K // 32, NB)
+        qa = _block_words(wa, c, i, HALVES)
+        da = tl.where(tl.sum(valid.to(tl.int32), axis=2) > 0, _f16(tl.load(wa[:, None] + HALVES * tl.sum(c, axis=2))
+                                                                    .to(tl.int32)), 0.0)
+        qb, db = qa, da
+        if TWO:
+            qb = _block_words(wb, c, i, HALVES)
+            db = tl.where(tl.sum(valid.to(tl.int32), axis=2) > 0,
+                          _f16(tl.load(wb[:, None] + HALVES * tl.sum(c, axis=2)).to(tl.int32)), 0.0)
+        v = _b32_slot(x0, s0, c, i, K, W)
+        a0, ma0 = _b32_acc(a0, ma0, qa, da * (1.0 / PLANE), 8.0 * da, *v, NIBBLES)
+        if TWO:
+            b0, mb0 = _b32_acc(b0, mb0, qb, db * (1.0 / PLANE), 8.0 * db, *v, NIBBLES)
+        if BT > 1:
+            v = _b32_slot(x1, s1, c, i, K, W)
+            a1, ma1 = _b32_acc(a1, ma1, qa, da * (1.0 / PLANE), 8.0 * da, *v, NIBBLES)
+            if TWO:
+                b1, mb1 = _b32_acc(b1, mb1, qb, db * (1.0 / PLANE), 8.0 * db, *v, NIBBLES)
+        if BT > 2:
+            v = _b32_slot(x2, s2, c, i, K, W)
+            a2, ma2 = _b32_acc(a2, ma2, qa, da * (1.0 / PLANE), 8.0 * da, *v, NIBBLES)
+            if TWO:
+                b2, mb2 = _b32_acc(b2, mb2, qb, db * (1.0 / PLANE), 8.0 * db, *v, NIBBLES)
+            v = _b32_slot(x3, s3, c, i, K, W)
+            a3, ma3 = _b32_acc(a3, ma3, qa, da * (1.0 / PLANE), 8.0 * da, *v, NIBBLES)
+            if TWO:
+                b3, mb3 = _b32_acc(b3, mb3, qb, db * (1.0 / PLANE), 8.0 * db, *v, NIBBLES)
+    a0, a1, a2, a3 = _totals(a0, a1, a2, a3, ma0, ma1, ma2, ma3, BT)
+    b0, b1, b2, b3 = _totals(b0, b1, b2, b3, mb0, mb1, mb2, mb3, BT)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
 # --- MXFP4: 17-byte blocks of 32 (byte aligned): an e8m0 scale, 16 bytes of e2m1 codes ------------------
 
 
@@ -649,7 +760,9 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
         tl.static_assert(FMT == Q8_0 or FMT == Q4_0, "rows_dot: no kernel for this format")
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
-        if FMT == Q8_0:
+        if (FMT == Q8_0 and Q80_INT8) or (FMT == Q4_0 and Q40_INT8):
+            out = _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, BLOCKS, FMT == Q4_0)
+        elif FMT == Q8_0:
             out = _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
                             BLOCKS)
         else:

@@ -24,8 +24,9 @@ Check = tuple[str, Callable[[int], object]]  # (name, check(seed) -> error or No
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the gpu tests run the kernels")
 
 
-def run_interpreted(module: str, checks: Sequence[Check], timeout: float = 300) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+def run_interpreted(module: str, checks: Sequence[Check], timeout: float = 300, **environ: str) -> None:
+    """The module's checks in a subprocess under the interpreter, with `environ` added to its environment."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), **environ)
     result = subprocess.run([sys.executable, module, "--interpret"], env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -30,7 +30,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the GPU 
 from ops.triton import ExpertTables, LaunchConfig, expert_ffn_triton, grouped_expert_ffn, tables_from_bank  # noqa: E402
 from ops.triton.experts import gate_format  # noqa: E402
 from ops.triton.prepare import Prepared, launch_prepare  # noqa: E402
-from ops.triton.qdot import reads_int8  # noqa: E402
+from ops.triton.qdot import INT8_CAPABLE, _int8_types, reads_int8  # noqa: E402
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 
 # ||out - ref|| / ||ref|| over the whole output. The kernels compute in float32 on exactly the
@@ -445,6 +445,22 @@ INTERPRETER_CHECKS.append(("prepared x",
 @needs_no_cuda
 def test_kernels_under_the_interpreter() -> None:
     run_interpreted(__file__, INTERPRETER_CHECKS, timeout=900)
+
+
+def test_the_int8_formats_are_named_by_the_environment() -> None:
+    assert _int8_types("Q4_K") == (QType.Q4_K,)
+    assert _int8_types("Q4_K, Q8_0,Q4_0") == (QType.Q4_K, QType.Q8_0, QType.Q4_0)
+    assert _int8_types("0") == () and _int8_types("") == ()
+    with pytest.raises(ValueError, match="Q6_K"):
+        _int8_types("Q4_K,Q6_K")
+
+
+@needs_no_cuda
+def test_every_int8_kernel_under_the_interpreter() -> None:
+    """The same checks with every format that has an int8 kernel reading x as int8 planes (`qdot.INT8_CAPABLE`,
+    chosen by MOECACHE_INT8_EXPERTS at import), not only the default ones."""
+    run_interpreted(__file__, INTERPRETER_CHECKS, timeout=900,
+                    MOECACHE_INT8_EXPERTS=",".join(t.name for t in INT8_CAPABLE))
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
