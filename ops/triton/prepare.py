@@ -14,7 +14,20 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.triton.checks import FLOAT_DTYPES, check_rows
-from ops.triton.qdot import GROUP, PLANE, Q4_0, Q4_K, Q4K_INT8, Q8_0, Q40_INT8, Q80_INT8, has_kernel, read_place
+from ops.triton.qdot import (
+    GROUP,
+    MXFP4,
+    MXFP4_INT8,
+    PLANE,
+    Q4_0,
+    Q4_K,
+    Q4K_INT8,
+    Q8_0,
+    Q40_INT8,
+    Q80_INT8,
+    has_kernel,
+    read_place,
+)
 from ops.triton.tables import QType
 
 
@@ -52,7 +65,8 @@ def prepare_block(x, x_stride, out, out_stride, sums, sums_stride, cols, row, bl
     col = block * BLOCK + tl.arange(0, BLOCK)
     in_cols = col < cols
     v = tl.load(x + row * x_stride + col, mask=in_cols, other=0.0).to(tl.float32)
-    if (FMT == Q4_K and Q4K_INT8) or (FMT == Q8_0 and Q80_INT8) or (FMT == Q4_0 and Q40_INT8):  # int8 planes
+    if (FMT == Q4_K and Q4K_INT8) or (FMT == Q8_0 and Q80_INT8) or (FMT == Q4_0 and Q40_INT8) or \
+            (FMT == MXFP4 and MXFP4_INT8):  # int8 planes
         v = _planes(v, col, in_cols, out + row * out_stride, cols, block, BLOCK)
     else:
         place, factor = read_place(col, FMT)

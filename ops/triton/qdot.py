@@ -40,7 +40,7 @@ MXFP4 = tl.constexpr(int(QType.MXFP4))
 KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)
 GROUP = 16  # activation sums are kept per 16 columns (the smallest sub-block, Q6_K's)
 MAGIC = 0x4B000000  # float32 bits of 2**23, passed to the kernels at run time (see _code_times)
-INT8_CAPABLE = (QType.Q4_K, QType.Q8_0, QType.Q4_0)  # formats with a kernel on int8 activations
+INT8_CAPABLE = (QType.Q4_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)  # formats with a kernel on int8 activations
 # the formats whose kernels read x as two int8 planes (`prepare.prepare_block`): MOECACHE_INT8_EXPERTS names them
 # (comma-separated; 0 or empty: none), read at import, to compare the paths; the default is those timed faster
 
@@ -58,6 +58,7 @@ INT8_TYPES = _int8_types(os.environ.get("MOECACHE_INT8_EXPERTS", "Q4_K"))
 Q4K_INT8 = tl.constexpr(QType.Q4_K in INT8_TYPES)
 Q80_INT8 = tl.constexpr(QType.Q8_0 in INT8_TYPES)
 Q40_INT8 = tl.constexpr(QType.Q4_0 in INT8_TYPES)
+MXFP4_INT8 = tl.constexpr(QType.MXFP4 in INT8_TYPES)
 PLANE = tl.constexpr(256.0)  # plane 1's grid is 256 times finer than plane 0's
 # the interpreter runs no inline PTX: dp4a is then the same sum in Triton's integer ops
 EMULATE_DP4A = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -74,7 +75,7 @@ def reads_int8(qtype: QType | None) -> bool:
 
 def step_blocks(num_cols: int, blocks: int = 0, qtype: QType | None = None) -> int:
     """Blocks of 32 columns a step of the 32-block formats' loops (`rows_dot`'s BLOCKS): `blocks` where given (a
-    power of two), else the largest of 8, 4, 2, 1 that divides the row (Q8_0 and Q4_0 on int8, `qtype`: 8, the
+    power of two), else the largest of 8, 4, 2, 1 that divides the row (the 32-block formats on int8, `qtype`: 8, the
     last step reading past the row as needed). Q4_K on int8 steps by whole super-blocks that divide the row: the
     largest such multiple of 8 up to `blocks`."""
     if blocks:
@@ -617,60 +618,111 @@ def _b32_slot(x, s, c, i, K: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _b32_acc(acc, macc, qa, ds, dm, lo0, lo1, hi0, hi1, dx, xs, NIBBLES: tl.constexpr):
-    """A matrix's block terms for one activation row: acc += (256 (w . q0) + w . q1) d / 256 * dx, per block; Q4_0
-    (NIBBLES) also macc += 8 d * the block's sum."""
-    if NIBBLES:
-        lo, hi = qa & 0x0F0F0F0F, (qa >> 4) & 0x0F0F0F0F
-        total = dp4a(hi, hi0, dp4a(lo, lo0, tl.zeros_like(qa)))
-        total = dp4a(hi, hi1, dp4a(lo, lo1, total << 8))
-        macc += dm * xs
+def prmt(a, b, c):
+    """Bytes of int32 words (a, b) picked by the low 3 bits of c's four low nibbles (PTX `prmt.b32`; every selector
+    below is under 8, so no byte's sign is replicated)."""
+    if EMULATE_DP4A:
+        out = c * 0
+        for n in tl.static_range(4):
+            index = (c >> (4 * n)) & 7
+            byte = tl.where(index < 4, a >> (8 * (index & 3)), b >> (8 * (index & 3))) & 0xFF
+            out = out | (byte << (8 * n))
+        return out
     else:
-        total = dp4a(qa, lo1, dp4a(qa, lo0, tl.zeros_like(qa), True) << 8, True)
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _e2m1_bytes(w):
+    """MXFP4's codes in int32 words `w` (byte j: low nibble weight j, high nibble weight 16 + j of its 4) -> the
+    doubled e2m1 values as int8 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), low nibbles' and high nibbles' words:
+    a table lookup in byte permutes."""
+    zero = w * 0
+    t0, t1 = zero + 0x03020100, zero + 0x0C080604  # 0 1 2 3 | 4 6 8 12
+    t2, t3 = zero - 0x020100FF - 1, zero - 0x0B070503 - 1  # 0 -1 -2 -3 | -4 -6 -8 -12 (0xFDFEFF00, 0xF4F8FAFC)
+    magnitude = w & 0x77777777
+    signs = 0x32103210 | ((w >> 1) & 0x44444444)  # a code's sign bit picks the table's negative half
+    low = prmt(prmt(t0, t1, magnitude), prmt(t2, t3, magnitude), signs)
+    high = prmt(prmt(t0, t1, magnitude >> 16), prmt(t2, t3, magnitude >> 16), signs >> 16)
+    return prmt(low, high, zero + 0x6420), prmt(low, high, zero + 0x7531)
+
+
+@triton.jit
+def _b32_acc(acc, macc, lo, hi, ds, dm, lo0, lo1, hi0, hi1, dx, xs, KIND: tl.constexpr):
+    """A matrix's block terms for one activation row: acc += (256 (w . q0) + w . q1) ds dx per block (ds: the
+    weights' scale / 256); Q4_0 (KIND 1) also macc += dm * the block's sum. Codes: Q8_0 (KIND 0) lo, signed, against
+    x's words lo0 / lo1; Q4_0 (unsigned) and MXFP4 (2, signed) lo and hi against lo0 / lo1 and hi0 / hi1."""
+    if KIND == 0:
+        total = dp4a(lo, lo1, dp4a(lo, lo0, tl.zeros_like(lo), True) << 8, True)
+    else:
+        total = dp4a(hi, hi0, dp4a(lo, lo0, tl.zeros_like(lo), KIND == 2), KIND == 2)
+        total = dp4a(hi, hi1, dp4a(lo, lo1, total << 8, KIND == 2), KIND == 2)
+    if KIND == 1:
+        macc += dm * xs
     acc += tl.sum(total, axis=2).to(tl.float32) * (ds * dx)
     return acc, macc
 
 
 @triton.jit
+def _b32_words(start, c, valid, i, KIND: tl.constexpr):
+    """The code words `[BR, NB, W]` of blocks c of rows `start` (int16 pointers, bytes for MXFP4) as (lo, hi), and the
+    blocks' scale / 256 (the scale MXFP4's doubled values take) `[BR, NB]`, 0 for blocks past the row."""
+    is_in = tl.sum(valid.to(tl.int32), axis=2) > 0
+    block = tl.sum(c, axis=2)  # [1, NB]
+    if KIND == 2:  # 17-byte blocks: a word is put together from 4 byte loads of the tile's shape
+        first = start[:, None, None] + 17 * c + 1 + 4 * i
+        word = tl.load(first).to(tl.int32)
+        for k in tl.static_range(1, 4):
+            word = word | (tl.load(first + k).to(tl.int32) << (8 * k))
+        lo, hi = _e2m1_bytes(word)
+        scale = _e8m0_scale(tl.load(start[:, None] + 17 * block).to(tl.int32)) * (1.0 / 8388608.0)  # 2**-15 / 256
+    else:
+        halves = 9 if KIND == 1 else 17
+        lo = _block_words(start, c, i, halves)
+        hi = lo
+        if KIND == 1:
+            lo, hi = lo & 0x0F0F0F0F, (lo >> 4) & 0x0F0F0F0F
+        scale = _f16(tl.load(start[:, None] + halves * block).to(tl.int32)) * (1.0 / PLANE)
+    return lo, hi, tl.where(is_in, scale, 0.0)
+
+
+@triton.jit
 def _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
-              NB: tl.constexpr, NIBBLES: tl.constexpr):
-    """Q4_0 (NIBBLES: 18-byte blocks, byte j's low nibble weight j and high nibble weight 16 + j, w = d (q - 8)) or
-    Q8_0 (34-byte blocks of int8 codes, w = d q) rows on int8 activations; wa, wb: int16 pointers `[BR]` to each row.
-    Tile `[BR, NB blocks, W words]` (W = 4 or 8), NB blocks a step (`_blocks`)."""
-    W: tl.constexpr = 4 if NIBBLES else 8
-    HALVES: tl.constexpr = 9 if NIBBLES else 17
+              NB: tl.constexpr, KIND: tl.constexpr):
+    """Rows of blocks of 32 on int8 activations: Q8_0 (KIND 0; 34-byte blocks of int8 codes, w = d q), Q4_0 (1;
+    18-byte blocks, byte j's low nibble weight j and high nibble weight 16 + j, w = d (q - 8)) or MXFP4 (2; 17-byte
+    blocks, an e8m0 scale then Q4_0's nibble order of e2m1 codes); wa, wb: int16 pointers `[BR]` to each row (byte
+    pointers for MXFP4). Tile `[BR, NB blocks, W words]` (W = 8 for Q8_0, else 4), NB blocks a step (`_blocks`)."""
+    W: tl.constexpr = 8 if KIND == 0 else 4
     i = tl.zeros([wa.shape[0], NB, W], tl.int32) + tl.arange(0, W)[None, None, :]  # the weights' shape for x too
     zero = tl.zeros([wa.shape[0], NB], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
     for g in range((K // 32 + NB - 1) // NB):
         c, valid = _blocks(g, K // 32, NB)
-        qa = _block_words(wa, c, i, HALVES)
-        da = tl.where(tl.sum(valid.to(tl.int32), axis=2) > 0, _f16(tl.load(wa[:, None] + HALVES * tl.sum(c, axis=2))
-                                                                    .to(tl.int32)), 0.0)
-        qb, db = qa, da
+        la, ha, da = _b32_words(wa, c, valid, i, KIND)
+        lb, hb, db = la, ha, da
         if TWO:
-            qb = _block_words(wb, c, i, HALVES)
-            db = tl.where(tl.sum(valid.to(tl.int32), axis=2) > 0,
-                          _f16(tl.load(wb[:, None] + HALVES * tl.sum(c, axis=2)).to(tl.int32)), 0.0)
+            lb, hb, db = _b32_words(wb, c, valid, i, KIND)
         v = _b32_slot(x0, s0, c, i, K, W)
-        a0, ma0 = _b32_acc(a0, ma0, qa, da * (1.0 / PLANE), 8.0 * da, *v, NIBBLES)
+        a0, ma0 = _b32_acc(a0, ma0, la, ha, da, 2048.0 * da, *v, KIND)
         if TWO:
-            b0, mb0 = _b32_acc(b0, mb0, qb, db * (1.0 / PLANE), 8.0 * db, *v, NIBBLES)
+            b0, mb0 = _b32_acc(b0, mb0, lb, hb, db, 2048.0 * db, *v, KIND)
         if BT > 1:
             v = _b32_slot(x1, s1, c, i, K, W)
-            a1, ma1 = _b32_acc(a1, ma1, qa, da * (1.0 / PLANE), 8.0 * da, *v, NIBBLES)
+            a1, ma1 = _b32_acc(a1, ma1, la, ha, da, 2048.0 * da, *v, KIND)
             if TWO:
-                b1, mb1 = _b32_acc(b1, mb1, qb, db * (1.0 / PLANE), 8.0 * db, *v, NIBBLES)
+                b1, mb1 = _b32_acc(b1, mb1, lb, hb, db, 2048.0 * db, *v, KIND)
         if BT > 2:
             v = _b32_slot(x2, s2, c, i, K, W)
-            a2, ma2 = _b32_acc(a2, ma2, qa, da * (1.0 / PLANE), 8.0 * da, *v, NIBBLES)
+            a2, ma2 = _b32_acc(a2, ma2, la, ha, da, 2048.0 * da, *v, KIND)
             if TWO:
-                b2, mb2 = _b32_acc(b2, mb2, qb, db * (1.0 / PLANE), 8.0 * db, *v, NIBBLES)
+                b2, mb2 = _b32_acc(b2, mb2, lb, hb, db, 2048.0 * db, *v, KIND)
             v = _b32_slot(x3, s3, c, i, K, W)
-            a3, ma3 = _b32_acc(a3, ma3, qa, da * (1.0 / PLANE), 8.0 * da, *v, NIBBLES)
+            a3, ma3 = _b32_acc(a3, ma3, la, ha, da, 2048.0 * da, *v, KIND)
             if TWO:
-                b3, mb3 = _b32_acc(b3, mb3, qb, db * (1.0 / PLANE), 8.0 * db, *v, NIBBLES)
+                b3, mb3 = _b32_acc(b3, mb3, lb, hb, db, 2048.0 * db, *v, KIND)
     a0, a1, a2, a3 = _totals(a0, a1, a2, a3, ma0, ma1, ma2, ma3, BT)
     b0, b1, b2, b3 = _totals(b0, b1, b2, b3, mb0, mb1, mb2, mb3, BT)
     return a0, a1, a2, a3, b0, b1, b2, b3
@@ -755,13 +807,16 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     elif FMT == MXFP4:
         wa = addr_a.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
-        out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, K, BT, TWO, BLOCKS)
+        if MXFP4_INT8:
+            out = _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, BLOCKS, 2)
+        else:
+            out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, K, BT, TWO, BLOCKS)
     else:
         tl.static_assert(FMT == Q8_0 or FMT == Q4_0, "rows_dot: no kernel for this format")
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         if (FMT == Q8_0 and Q80_INT8) or (FMT == Q4_0 and Q40_INT8):
-            out = _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, BLOCKS, FMT == Q4_0)
+            out = _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, BLOCKS, 1 if FMT == Q4_0 else 0)
         elif FMT == Q8_0:
             out = _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
                             BLOCKS)
