@@ -29,7 +29,7 @@ from ops.quants import QType
 from ops.triton import moe_gemm
 from ops.triton.down import _down_kernel
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel, default_blocks, warps_for
-from ops.triton.qdot import KERNEL_TYPES, reads_int8, step_blocks
+from ops.triton.qdot import KERNEL_TYPES, step_blocks, steps_super_blocks
 
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 ROWS, DOWN_ROWS = 16, 32
@@ -88,7 +88,7 @@ def gate_up_blocks(qtype: QType) -> int:
 
 def step_weights(qtype: QType, blocks: int) -> int:
     """Weights of a row a step: `blocks` of 32 (Q4_K on int8: whole super-blocks), a super-block (Q5_K, Q6_K)."""
-    if qtype == QType.Q4_K and reads_int8(qtype):
+    if steps_super_blocks(qtype):
         return 256 * max(1, blocks // 8)
     return 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32 * blocks
 

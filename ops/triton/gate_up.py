@@ -11,7 +11,7 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 from ops.quants import QType
 from ops.triton.checks import INDEX_DTYPES, check_rows, check_vector
 from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_for
-from ops.triton.qdot import GROUP, MAGIC, has_kernel, read_place, reads_int8, rows_dot, step_blocks
+from ops.triton.qdot import GROUP, MAGIC, has_kernel, read_place, reads_int8, rows_dot, step_blocks, steps_super_blocks
 from ops.triton.stage import COPY_BLOCK, Fill, fill_rows2
 from ops.triton.tables import ExpertTables
 
@@ -120,7 +120,7 @@ def default_block_tokens(num_tokens: int, qtype: QType | None = None) -> int:
     (`qdot.reads_int8`): 1 at every size, its second pass finding the weights in cache (H100, one Qwen3-30B-A3B Q4_K
     layer, `.ci/gpu-moe-gemm.py decode`: 199.8 against 238.2 us at 16 tokens, 372.1 against 422.2 at 32, with
     `default_blocks`)."""
-    return 1 if num_tokens <= 8 or (qtype == QType.Q4_K and reads_int8(qtype)) else 2
+    return 1 if num_tokens <= 8 or steps_super_blocks(qtype) else 2
 
 
 def default_blocks(qtype: QType, num_tokens: int) -> int:
@@ -128,7 +128,7 @@ def default_blocks(qtype: QType, num_tokens: int) -> int:
     (blocks = 16), 4 from 2 to 8 tokens: more loads in flight a thread. H100, one Qwen3-30B-A3B Q4_K layer
     (`.ci/gpu-moe-gemm.py decode`), one pair a pass, 1 super-block a step / 2 / 4: 1 token 26.0 / 24.2 / 26.0 us,
     8 tokens 134.5 (2 pairs a pass) / 115.3 / 110.9, 16 tokens 223.3 / 199.8, 32 tokens 463.3 / 372.1."""
-    if qtype != QType.Q4_K or not reads_int8(qtype):
+    if not steps_super_blocks(qtype):
         return 0
     return 32 if 2 <= num_tokens <= 8 else 16
 

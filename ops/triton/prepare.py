@@ -22,6 +22,8 @@ from ops.triton.qdot import (
     Q4_0,
     Q4_K,
     Q4K_INT8,
+    Q5_K,
+    Q5K_INT8,
     Q8_0,
     Q40_INT8,
     Q80_INT8,
@@ -65,8 +67,8 @@ def prepare_block(x, x_stride, out, out_stride, sums, sums_stride, cols, row, bl
     col = block * BLOCK + tl.arange(0, BLOCK)
     in_cols = col < cols
     v = tl.load(x + row * x_stride + col, mask=in_cols, other=0.0).to(tl.float32)
-    if (FMT == Q4_K and Q4K_INT8) or (FMT == Q8_0 and Q80_INT8) or (FMT == Q4_0 and Q40_INT8) or \
-            (FMT == MXFP4 and MXFP4_INT8):  # int8 planes
+    if (FMT == Q4_K and Q4K_INT8) or (FMT == Q5_K and Q5K_INT8) or (FMT == Q8_0 and Q80_INT8) or \
+            (FMT == Q4_0 and Q40_INT8) or (FMT == MXFP4 and MXFP4_INT8):  # int8 planes
         v = _planes(v, col, in_cols, out + row * out_stride, cols, block, BLOCK)
     else:
         place, factor = read_place(col, FMT)

@@ -13,7 +13,7 @@ two FMAs (one more per extra slot); everything is elementwise in the weight tile
 and the sums over a row happen once, at the end. MXFP4's e2m1 codes (signed, no offset) are instead placed
 in an fp16 by three integer ops (`_e2m1`).
 
-Q4_K instead multiplies its codes with int8 activations (`INT8_TYPES`, `_q4k_rows`): x is prepared as two int8
+Q4_K instead multiplies its codes with int8 activations (`INT8_TYPES`, `_k45_rows`): x is prepared as two int8
 planes per block of 32, x ~= d * (q0 + q1 / 256) (the CPU kernels' form, `ops/csrc/quant.h`: one plane alone is
 1/254 of the block's max, enough to move a later router's choice), and four codes at a time meet four activations in
 one `dp4a` (integer dot of 4 bytes, accumulated), both planes in one int32 sum, 256 * (w . q0) + (w . q1). Per 8
@@ -40,7 +40,7 @@ MXFP4 = tl.constexpr(int(QType.MXFP4))
 KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)
 GROUP = 16  # activation sums are kept per 16 columns (the smallest sub-block, Q6_K's)
 MAGIC = 0x4B000000  # float32 bits of 2**23, passed to the kernels at run time (see _code_times)
-INT8_CAPABLE = (QType.Q4_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)  # formats with a kernel on int8 activations
+INT8_CAPABLE = (QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)  # kernels on int8 activations
 # the formats whose kernels read x as two int8 planes (`prepare.prepare_block`): MOECACHE_INT8_EXPERTS names them
 # (comma-separated; 0 or empty: none), read at import, to compare the paths; the default is those timed faster
 
@@ -56,6 +56,7 @@ def _int8_types(value: str) -> tuple[QType, ...]:
 
 INT8_TYPES = _int8_types(os.environ.get("MOECACHE_INT8_EXPERTS", "Q4_K"))
 Q4K_INT8 = tl.constexpr(QType.Q4_K in INT8_TYPES)
+Q5K_INT8 = tl.constexpr(QType.Q5_K in INT8_TYPES)
 Q80_INT8 = tl.constexpr(QType.Q8_0 in INT8_TYPES)
 Q40_INT8 = tl.constexpr(QType.Q4_0 in INT8_TYPES)
 MXFP4_INT8 = tl.constexpr(QType.MXFP4 in INT8_TYPES)
@@ -73,19 +74,24 @@ def reads_int8(qtype: QType | None) -> bool:
     return qtype in INT8_TYPES
 
 
+def steps_super_blocks(qtype: QType | None) -> bool:
+    """Whether the kernel of `qtype` is a K-quant's on int8, stepping by whole super-blocks (`_k45_rows`)."""
+    return reads_int8(qtype) and qtype in (QType.Q4_K, QType.Q5_K)
+
+
 def step_blocks(num_cols: int, blocks: int = 0, qtype: QType | None = None) -> int:
     """Blocks of 32 columns a step of the 32-block formats' loops (`rows_dot`'s BLOCKS): `blocks` where given (a
     power of two), else the largest of 8, 4, 2, 1 that divides the row (the 32-block formats on int8, `qtype`: 8, the
-    last step reading past the row as needed). Q4_K on int8 steps by whole super-blocks that divide the row: the
-    largest such multiple of 8 up to `blocks`."""
+    last step reading past the row as needed). Q4_K and Q5_K on int8 step by whole super-blocks that divide the row:
+    the largest such multiple of 8 up to `blocks`."""
     if blocks:
         if blocks & (blocks - 1) or not 1 <= blocks <= 64:
             raise ValueError(f"blocks: expected a power of two in [1, 64], got {blocks}")
-        while qtype == QType.Q4_K and reads_int8(qtype) and blocks > 8 and num_cols // 32 % blocks:
+        while steps_super_blocks(qtype) and blocks > 8 and num_cols // 32 % blocks:
             blocks //= 2
         return blocks
     n = num_cols // 32
-    if reads_int8(qtype) and qtype != QType.Q4_K:  # 8 blocks, the last step's past the row weighted 0
+    if reads_int8(qtype) and not steps_super_blocks(qtype):  # 8 blocks, the last step's past the row weighted 0
         return min(8, triton.next_power_of_2(n))
     return (n | 8) & -(n | 8)
 
@@ -367,6 +373,20 @@ def _k4_acc(acc, macc, lo, hi, dsl, dsh, dml, dmh, lo0, hi0, lo1, hi1, dlo, dhi,
 
 
 @triton.jit
+def _k45_codes(blk, j, i, FIFTH: tl.constexpr):
+    """The codes of chunks j `[BR, SBS, 4, 8]` words of super-blocks `blk` (int32 pointers `[BR, SBS, 1]`): the low
+    nibbles' (sub-block 2j) and the high nibbles' (2j + 1), a byte each, with Q5_K's fifth bits (FIFTH)."""
+    j = j[:, :, :, None]
+    q = tl.load(blk[:, :, :, None] + 4 + 8 * FIFTH + 8 * j + i)
+    lo, hi = q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F
+    if FIFTH:  # qh word i holds the fifth bits of weights 4i .. 4i + 3 of every sub-block
+        qh = tl.load(blk[:, :, :, None] + 4 + i + 0 * j)
+        lo = lo | (((qh >> (2 * j)) & 0x01010101) << 4)
+        hi = hi | (((qh >> (2 * j + 1)) & 0x01010101) << 4)
+    return lo, hi
+
+
+@triton.jit
 def _k4_accs(a0, a1, a2, a3, m0, m1, m2, m3, lo, hi, dsl, dsh, dml, dmh, x0, x1, x2, x3, s0, s1, s2, s3,
              words, block, group, K: tl.constexpr, BT: tl.constexpr):
     """`_k4_acc` over the BT activation rows."""
@@ -384,9 +404,11 @@ def _k4_accs(a0, a1, a2, a3, m0, m1, m2, m3, lo, hi, dsl, dsh, dml, dmh, x0, x1,
 
 
 @triton.jit
-def _q4k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
-              SBS: tl.constexpr):
-    """Q4_K rows on int8 activations (`INT8_TYPES`); wa, wb: int32 pointers `[BR]` to each row's first word; x0..x3
+def _k45_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
+              SBS: tl.constexpr, FIFTH: tl.constexpr):
+    """Q4_K (144-byte blocks) or Q5_K (FIFTH: 176 bytes, 32 bytes of fifth bits before the nibbles: bit s of byte b
+    is bit 4 of weight b of sub-block s) rows on int8 activations (`INT8_TYPES`); wa, wb: int32 pointers `[BR]` to
+    each row's first word; x0..x3
     rows prepared as two planes (`prepare.prepare_block`), s0..s3 the sums per 16 of their values. Tile per step:
     qs words `[BR, SBS super-blocks, 4 (j), 8 (i)]`; byte k of word 8j + i holds the codes of weights 64j + 4i + k
     (low nibble, sub-block 2j) and 64j + 32 + 4i + k (high nibble, sub-block 2j + 1): the natural order of x's int8
@@ -397,17 +419,17 @@ def _q4k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.co
     zero = tl.zeros([wa.shape[0], SBS, 4], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
-    tl.static_assert(K // 256 % SBS == 0, "Q4_K: the super-blocks a step must divide the row's")
+    WORDS: tl.constexpr = 44 if FIFTH else 36  # a block's words
+    tl.static_assert(K // 256 % SBS == 0, "Q4_K/Q5_K: the super-blocks a step must divide the row's")
     for step in range(K // 256 // SBS):
         sb = step * SBS + sbs
         # NOTE: the hint on each step's row pointers (`[BR]`) is what makes the weight loads 16 bytes wide
-        ba = tl.multiple_of(wa + 36 * SBS * step, 16)[:, None, None] + 36 * sbs
-        bb = tl.multiple_of(wb + 36 * SBS * step, 16)[:, None, None] + 36 * sbs
-        qs = 4 + 8 * j[:, :, :, None] + i
-        qa = tl.load(ba[:, :, :, None] + qs)
-        qb = qa
+        ba = tl.multiple_of(wa + WORDS * SBS * step, 16)[:, None, None] + WORDS * sbs
+        bb = tl.multiple_of(wb + WORDS * SBS * step, 16)[:, None, None] + WORDS * sbs
+        la, ha = _k45_codes(ba, j, i, FIFTH)
+        lb, hb = la, ha
         if TWO:
-            qb = tl.load(bb[:, :, :, None] + qs)
+            lb, hb = _k45_codes(bb, j, i, FIFTH)
         # x's words for every row: loads of the weights' shape take the weights' layout (16-byte loads; the
         # rows' equal addresses are one load)
         words = tl.zeros([wa.shape[0], SBS, 4, 8], tl.int32) + (64 * sb + 16 * j)[:, :, :, None] + i
@@ -416,13 +438,13 @@ def _q4k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.co
         dsl, dml = _k4_scales(ba, j, 0)
         dsh, dmh = _k4_scales(ba, j, 1)
         a0, a1, a2, a3, ma0, ma1, ma2, ma3 = _k4_accs(
-            a0, a1, a2, a3, ma0, ma1, ma2, ma3, qa & 0x0F0F0F0F, (qa >> 4) & 0x0F0F0F0F, dsl, dsh, dml, dmh,
+            a0, a1, a2, a3, ma0, ma1, ma2, ma3, la, ha, dsl, dsh, dml, dmh,
             x0, x1, x2, x3, s0, s1, s2, s3, words, block, group, K, BT)
         if TWO:
             dsl, dml = _k4_scales(bb, j, 0)
             dsh, dmh = _k4_scales(bb, j, 1)
             b0, b1, b2, b3, mb0, mb1, mb2, mb3 = _k4_accs(
-                b0, b1, b2, b3, mb0, mb1, mb2, mb3, qb & 0x0F0F0F0F, (qb >> 4) & 0x0F0F0F0F, dsl, dsh, dml, dmh,
+                b0, b1, b2, b3, mb0, mb1, mb2, mb3, lb, hb, dsl, dsh, dml, dmh,
                 x0, x1, x2, x3, s0, s1, s2, s3, words, block, group, K, BT)
     a0, a1, a2, a3 = _totals(a0, a1, a2, a3, ma0, ma1, ma2, ma3, BT)
     b0, b1, b2, b3 = _totals(b0, b1, b2, b3, mb0, mb1, mb2, mb3, BT)
@@ -792,10 +814,10 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     of 32 a step, a power of two (`step_blocks`); a row that BLOCKS does not divide ends in a step whose blocks past
     the row are read and weighted 0. x0..x3 of an `INT8_TYPES` format are rows in `prepare.prepare_block`'s planes.
     Returns `[BR]` float32 for (a, slot 0..3), then (b, slot 0..3)."""
-    if FMT == Q4_K and Q4K_INT8:
+    if (FMT == Q4_K and Q4K_INT8) or (FMT == Q5_K and Q5K_INT8):
         wa = addr_a.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
         wb = addr_b.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
-        out = _q4k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, (BLOCKS + 7) // 8)
+        out = _k45_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, (BLOCKS + 7) // 8, FMT == Q5_K)
     elif FMT == Q4_K or FMT == Q5_K:
         wa = addr_a.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)
         wb = addr_b.to(tl.pointer_type(tl.int32)) + rows * (row_bytes // 4)

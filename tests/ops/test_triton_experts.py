@@ -416,6 +416,7 @@ INTERPRETER_CASES = [
     Case((QType.Q5_K, QType.Q4_K, QType.Q6_K), num_tokens=2, dtype=torch.bfloat16, hidden=256, ff=256,
          num_experts=4, top_k=2, gate_up_rows=32),
     Case((QType.Q8_0,) * 3, num_tokens=3, hidden=256, ff=256, num_experts=4, top_k=2, gate_up_rows=32),
+    Case((QType.Q5_K,) * 3, num_tokens=3, hidden=512, ff=256, num_experts=4, top_k=2, gate_up_rows=32),
     Case((QType.Q4_K,) * 3, num_tokens=4, hidden=256, ff=256, num_experts=2, top_k=2, block_tokens=4,
          gate_up_rows=32),
     Case((QType.IQ4_XS, QType.F16, QType.Q8_0), num_tokens=2, hidden=256, ff=256, num_experts=3, top_k=2,
