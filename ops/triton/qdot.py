@@ -41,8 +41,6 @@ KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QTyp
 GROUP = 16  # activation sums are kept per 16 columns (the smallest sub-block, Q6_K's)
 MAGIC = 0x4B000000  # float32 bits of 2**23, passed to the kernels at run time (see _code_times)
 INT8_CAPABLE = (QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)  # kernels on int8 activations
-# the formats whose kernels read x as two int8 planes (`prepare.prepare_block`): MOECACHE_INT8_EXPERTS names them
-# (comma-separated; 0 or empty: none), read at import, to compare the paths; the default is those timed faster
 
 
 def _int8_types(value: str) -> tuple[QType, ...]:
@@ -54,6 +52,8 @@ def _int8_types(value: str) -> tuple[QType, ...]:
     return tuple(QType.__members__[name] for name in names)
 
 
+# the formats whose kernels read x as two int8 planes (`prepare.prepare_block`): MOECACHE_INT8_EXPERTS names them
+# (comma-separated; 0 or empty: none), read at import, to compare the paths; the default is those timed faster
 INT8_TYPES = _int8_types(os.environ.get("MOECACHE_INT8_EXPERTS", "Q4_K"))
 Q4K_INT8 = tl.constexpr(QType.Q4_K in INT8_TYPES)
 Q5K_INT8 = tl.constexpr(QType.Q5_K in INT8_TYPES)
