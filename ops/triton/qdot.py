@@ -121,7 +121,7 @@ def read_place(col, FMT: tl.constexpr):
         u = col % 32
         place = col - u + 16 * (u // 16) + 8 * (u % 2) + (u % 16) // 2
         e = 8 * (u % 2) + 4 * (u // 16)
-    else:  # MXFP4 too: its kernel reads the natural order (Q4_K: `INT8_TYPES`)
+    else:  # MXFP4 too: its kernel reads the natural order (the int8 formats read `prepare`'s planes instead)
         place = col
         e = col * 0
     return place, ((127 - e) << 23).to(tl.float32, bitcast=True)
@@ -206,13 +206,13 @@ def _byte_field(lo, hi, shift, mask_lo, mask_hi):
 
 @triton.jit
 def _kquant_scales(blk, j, N: tl.constexpr):
-    """d * scale and dmin * min of sub-blocks s = 2j + N, `[1, BR, 4, 1]`. Scale bytes b[0..11]
-    (words 1..3 of the block): s < 4: b[s] & 63, b[s + 4] & 63; else (b[s + 4] & 15) | (b[s - 4] >> 6) << 4,
-    (b[s + 4] >> 4) | (b[s] >> 6) << 4."""
-    head = tl.load(blk)[None, :, None, None]  # fp16 d | dmin << 16
-    w1 = tl.load(blk + 1)[None, :, None, None]
-    w2 = tl.load(blk + 2)[None, :, None, None]
-    w3 = tl.load(blk + 3)[None, :, None, None]
+    """d * scale and dmin * min of sub-blocks s = 2j + N; blk: int32 pointers to each block, shaped to broadcast
+    with j (the result's shape). Scale bytes b[0..11] (words 1..3 of the block): s < 4: b[s] & 63, b[s + 4] & 63;
+    else (b[s + 4] & 15) | (b[s - 4] >> 6) << 4, (b[s + 4] >> 4) | (b[s] >> 6) << 4."""
+    head = tl.load(blk)  # fp16 d | dmin << 16
+    w1 = tl.load(blk + 1)
+    w2 = tl.load(blk + 2)
+    w3 = tl.load(blk + 3)
     s = 2 * j + N
     is_low = s < 4
     shift = 8 * (s & 3)
@@ -261,10 +261,10 @@ def _kquant_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic,
             if TWO:
                 qhb = tl.load(bb[None, :, None, None] + 4 + 4 * ih + il + 0 * j)
         for n in tl.static_range(2):
-            dsa, dma = _kquant_scales(ba, j, n)
+            dsa, dma = _kquant_scales(ba[None, :, None, None], j, n)
             dsb, dmb = dsa, dma
             if TWO:
-                dsb, dmb = _kquant_scales(bb, j, n)
+                dsb, dmb = _kquant_scales(bb[None, :, None, None], j, n)
             fa = qha >> (2 * j + n)  # bit 8k: the fifth bit of weight (j, n, i, k)
             fb = qhb >> (2 * j + n)
             for k in tl.static_range(4):
@@ -306,23 +306,6 @@ def dp4a(a, b, c, SIGNED: tl.constexpr = False):
     else:
         return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
                                          is_pure=True, pack=1)
-
-
-@triton.jit
-def _k4_scales(blk, j, N: tl.constexpr):
-    """d * scale / 256 and dmin * min of sub-blocks 2j + N `[BR, SBS, 4]`; blk: int32
-    pointers to each super-block `[BR, SBS, 1]`. Scale bytes b[0..11] (words 1..3 of the block): s < 4:
-    b[s] & 63, b[s + 4] & 63; else (b[s + 4] & 15) | (b[s - 4] >> 6) << 4, (b[s + 4] >> 4) | (b[s] >> 6) << 4."""
-    head = tl.load(blk)  # fp16 d | dmin << 16
-    w1 = tl.load(blk + 1)
-    w2 = tl.load(blk + 2)
-    w3 = tl.load(blk + 3)
-    s = 2 * j + N
-    is_low = s < 4
-    shift = 8 * (s & 3)
-    sc = _byte_field(tl.where(is_low, w1, w3), w1, shift, tl.where(is_low, 63, 15), tl.where(is_low, 0, 48))
-    mn = _byte_field(tl.where(is_low, w2, w3 >> 4), w2, shift, tl.where(is_low, 63, 15), tl.where(is_low, 0, 48))
-    return _f16(head) * sc * (1.0 / PLANE), _f16(head >> 16) * mn
 
 
 @triton.jit
@@ -435,14 +418,16 @@ def _k45_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.co
         words = tl.zeros([wa.shape[0], SBS, 4, 8], tl.int32) + (64 * sb + 16 * j)[:, :, :, None] + i
         block = 8 * sb + 2 * j
         group = 16 * sb + 4 * j
-        dsl, dml = _k4_scales(ba, j, 0)
-        dsh, dmh = _k4_scales(ba, j, 1)
+        dsl, dml = _kquant_scales(ba, j, 0)  # the code terms' scales / 256: the planes' sum is 256 plane 0's
+        dsh, dmh = _kquant_scales(ba, j, 1)
+        dsl, dsh = dsl * (1.0 / PLANE), dsh * (1.0 / PLANE)
         a0, a1, a2, a3, ma0, ma1, ma2, ma3 = _k4_accs(
             a0, a1, a2, a3, ma0, ma1, ma2, ma3, la, ha, dsl, dsh, dml, dmh,
             x0, x1, x2, x3, s0, s1, s2, s3, words, block, group, K, BT)
         if TWO:
-            dsl, dml = _k4_scales(bb, j, 0)
-            dsh, dmh = _k4_scales(bb, j, 1)
+            dsl, dml = _kquant_scales(bb, j, 0)
+            dsh, dmh = _kquant_scales(bb, j, 1)
+            dsl, dsh = dsl * (1.0 / PLANE), dsh * (1.0 / PLANE)
             b0, b1, b2, b3, mb0, mb1, mb2, mb3 = _k4_accs(
                 b0, b1, b2, b3, mb0, mb1, mb2, mb3, lb, hb, dsl, dsh, dml, dmh,
                 x0, x1, x2, x3, s0, s1, s2, s3, words, block, group, K, BT)
