@@ -8,6 +8,7 @@ most of it compiling), so that it ends within a minute on an H200.
 With `decode` first: a decode step's sizes instead (1 to 32 tokens x top-8, Q4_K_M's mix): the decode kernels
 (`ops.triton.grouped_expert_ffn`) against the fused GEMMs, each the median of `repeats` replays of a CUDA graph of 20
 calls, each routed anew (weights mostly from HBM: one layer is 370 MB, L2 50 MB), divided by 20.
+PREFILL_CONFIGS=bm:bn:bk:warps:stages,...: the Q4_K_M layer, then those tile configs.
 With `ncu`: the Q4_K_M layer's fused GEMMs at 32 and 512 tokens, once each between cudaProfilerStart and Stop, for
 Nsight Compute's counters (`ncu --profile-from-start off --section ... python3 .ci/gpu-moe-gemm.py ncu`).
 Usage: python3 .ci/gpu-moe-gemm.py [decode | ncu] [repeats=10] [budget_s=40]  (needs CUDA)"""
@@ -95,10 +96,10 @@ def compare(layer: ExpertWeights, num_tokens: int, repeats: int) -> None:
           f"{difference:>9.1e} {elapsed():>6.1f}", flush=True)
 
 
-def sweep(layer: ExpertWeights, num_tokens: int, repeats: int, budget_s: float) -> None:
+def sweep(layer: ExpertWeights, num_tokens: int, repeats: int, budget_s: float, configs: list[MoeGemmConfig]) -> None:
     x = torch.randn(num_tokens, HIDDEN, device=CUDA).bfloat16()
     pairs = routing(num_tokens)
-    for config in SWEEP:
+    for config in configs:
         if elapsed() > budget_s:
             return
         ms = median_ms(lambda c=config: expert_ffn_moe_gemm(x, *pairs, layer, c), repeats)
@@ -153,7 +154,11 @@ def main(repeats: int, budget_s: float) -> None:
           f"{'rel diff':>9} {'t (s)':>6}", flush=True)
     skipped = []
     named = os.environ.get("DECODE_TYPES")  # one format in all three matrices (else every layer of LAYERS)
-    for types in [(QType[named],) * 3] if named else LAYERS:
+    # PREFILL_CONFIGS: the Q4_K_M layer alone, then these tile configs (block_m:block_n:block_k:warps:stages, comma-
+    # separated) in place of SWEEP, whatever the budget
+    configs = [MoeGemmConfig(*(int(v) for v in spec.split(":")))
+               for spec in filter(None, os.environ.get("PREFILL_CONFIGS", "").split(","))]
+    for types in [(QType[named],) * 3] if named else LAYERS[:1] if configs else LAYERS:
         if elapsed() > budget_s:
             skipped.append("/".join(t.name for t in types))
             continue
@@ -162,10 +167,10 @@ def main(repeats: int, budget_s: float) -> None:
             compare(layer, num_tokens, repeats)
     if skipped:
         print(f"out of time ({budget_s:.0f} s), skipped: {', '.join(skipped)}", flush=True)
-    if elapsed() < budget_s:
+    if elapsed() < budget_s or configs:
         layer = bank(LAYERS[0])
         for num_tokens in TOKENS:
-            sweep(layer, num_tokens, repeats, budget_s)
+            sweep(layer, num_tokens, repeats, float("inf") if configs else budget_s, configs or SWEEP)
     print(f"done in {elapsed():.1f} s", flush=True)
 
 

@@ -124,15 +124,20 @@ def prefill_kernels(qtype: QType) -> list[tuple[str, str, int]]:
     """`kernels` for the prefill's GEMMs (`ops.triton.moe_gemm`, its default tiles, 32 pairs a tile)."""
     _, _, activation = SHAPES[qtype]
     config, biases = moe_gemm.MoeGemmConfig(), activation == "swiglu_oai"
-    tiles = dict(BM=32, BN=config.block_n, BK=config.block_k, E_POW2=128, INTERPRET=False)
+    hidden, ff, _ = SHAPES[qtype]
+    up_super, down_super = moe_gemm.whole_super_blocks(qtype, hidden), moe_gemm.whole_super_blocks(qtype, ff)
+    tiles = dict(BM=32, BN=config.block_n, E_POW2=128, INTERPRET=False)
     gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), ACT=ACTIVATIONS[activation], GATE_BIAS=biases,
-                   UP_BIAS=biases, **tiles)
-    down = dict(BIAS=biases, DOWN_FMT=int(qtype), **tiles)
-    weights = config.block_n * config.block_k // (32 * config.num_warps)
+                   UP_BIAS=biases, SUPER=moe_gemm.WHOLE_SUPER_BLOCKS * up_super, BK=32 if up_super else config.block_k, **tiles)
+    down = dict(BIAS=biases, DOWN_FMT=int(qtype), SUPER=moe_gemm.WHOLE_SUPER_BLOCKS * down_super, BK=32 if down_super else config.block_k, **tiles)
+
+    def weights(whole: bool) -> int:  # a thread reads a step: a super-block's 256 columns, or block_k
+        return config.block_n * (256 if whole else config.block_k) // (32 * config.num_warps)
     values, warps, stages = launch_values(qtype), config.num_warps, config.num_stages
     return [("prefill gate/up", compile_sass(moe_gemm._gate_up_kernel, gate_up, warps, values, PREFILL_TYPES, stages),
-             2 * weights),
-            ("prefill down", compile_sass(moe_gemm._down_kernel, down, warps, values, PREFILL_TYPES, stages), weights)]
+             2 * weights(up_super)),
+            ("prefill down", compile_sass(moe_gemm._down_kernel, down, warps, values, PREFILL_TYPES, stages),
+             weights(down_super))]
 
 
 def loops(text: str) -> list[list[str]]:

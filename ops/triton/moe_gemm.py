@@ -25,6 +25,7 @@ if it has none. Formats: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (`has_kernel`: thos
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 
 from ops.bank import ExpertWeights
 from ops.expert_math import ExpertMath
+from ops.quants import QType
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows, check_vector, interpreting
 from ops.triton.dequant import _byte, _f16_at, _float, _scale_min_k4
 from ops.triton.gate_up import ACTIVATIONS, _activation
@@ -40,6 +42,8 @@ from ops.triton.qdot import KERNEL_TYPES, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _
 
 GROUP = 16  # weights sharing one scale, in every format of KERNEL_TYPES
 SUM_COLS = 256  # columns per program of the per-token sum
+# Q4_K by whole super-blocks: 2 with the weights as the left operand, 1 as the right one, 0 not (by groups of 16)
+WHOLE_SUPER_BLOCKS = int(os.environ.get("MOECACHE_PREFILL_SUPER", "2"))
 
 
 def covers(bank: ExpertWeights) -> bool:
@@ -159,6 +163,65 @@ def _mma(a, w, acc, INTERPRET: tl.constexpr):
     return tl.dot(a, tl.trans(w), acc)
 
 
+# --- Q4_K by whole chunks: chunk j (64 columns) of a super-block is its qs bytes [32j, 32j + 32), the low
+# nibbles sub-block 2j and the high ones 2j + 1, each in column order; scales once per row and sub-block
+
+
+@triton.jit
+def _k4_scales(head, w1, w2, w3, S: tl.constexpr):
+    """d * scale and dmin * min of sub-block S from a Q4_K super-block's first 4 words `[BN]` (fp16 d | dmin << 16,
+    then the 12 scale bytes b): S < 4: b[S] & 63, b[S + 4] & 63; else (b[S + 4] & 15) | (b[S - 4] >> 6) << 4,
+    (b[S + 4] >> 4) | (b[S] >> 6) << 4."""
+    shift: tl.constexpr = 8 * (S % 4)
+    if S < 4:
+        sc = (w1 >> shift) & 63
+        mn = (w2 >> shift) & 63
+    else:
+        sc = ((w3 >> shift) & 15) | (((w1 >> (shift + 6)) & 3) << 4)
+        mn = ((w3 >> (shift + 4)) & 15) | (((w2 >> (shift + 6)) & 3) << 4)
+    d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((head >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return d * _float(sc, 0.0), dmin * _float(mn, 0.0)
+
+
+@triton.jit
+def _mma_t(w, a, acc, INTERPRET: tl.constexpr):
+    """acc `[BN, BM]` + w `[BN, BK]` @ a `[BM, BK]`^T, both bf16 (`_mma` with the weights as the left operand)."""
+    if INTERPRET:
+        return tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(a), acc)
+
+
+@triton.jit
+def _k4_super(acc, a_ptrs, rmask, base, blk, W_LEFT: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc `[BM, BN]` + the activations `[BM, 256]` at a_ptrs (bf16 pointers `[BM, 32]` to the super-block's first
+    32 columns) times a Q4_K super-block of the rows (blk: its byte offsets `[BN]`)."""
+    words = (base + blk).to(tl.pointer_type(tl.int32), bitcast=True)
+    head, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+    pairs = (base + blk[:, None] + 16).to(tl.pointer_type(tl.int16), bitcast=True) + tl.arange(0, 16)[None, :]
+    for j in tl.static_range(4):
+        v = tl.load(pairs + 16 * j).to(tl.int32)
+        s_lo, m_lo = _k4_scales(head, w1, w2, w3, 2 * j)
+        s_hi, m_hi = _k4_scales(head, w1, w2, w3, 2 * j + 1)
+        # a byte in mantissa bits 15-22 of 1.0: the low nibble v as the float 1 + v / 256, the high one as
+        # 1 + v / 16, so that w = 256 s (1 + v / 256) - (256 s + m) is one FMA (its product exact)
+        t0, t1 = v << 15, v << 7  # the pair's first byte, its second
+        lo = tl.reshape(tl.join(t0 & 0x78000, t1 & 0x78000), [v.shape[0], 32]) | 0x3F800000
+        hi = tl.reshape(tl.join(t0 & 0x780000, t1 & 0x780000), [v.shape[0], 32]) | 0x3F800000
+        lo, hi = lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+        lo = lo * (256.0 * s_lo)[:, None] - (256.0 * s_lo + m_lo)[:, None]
+        hi = hi * (16.0 * s_hi)[:, None] - (16.0 * s_hi + m_hi)[:, None]
+        a_lo = tl.load(a_ptrs + 64 * j, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
+        a_hi = tl.load(a_ptrs + 64 * j + 32, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
+        if W_LEFT:
+            acc = _mma_t(_bf16(lo, INTERPRET), a_lo, acc, INTERPRET)
+            acc = _mma_t(_bf16(hi, INTERPRET), a_hi, acc, INTERPRET)
+        else:
+            acc = _mma(a_lo, _bf16(lo, INTERPRET), acc, INTERPRET)
+            acc = _mma(a_hi, _bf16(hi, INTERPRET), acc, INTERPRET)
+    return acc
+
+
 # --- the schedule and the kernels ----------------------------------------------------------------------
 
 
@@ -181,7 +244,7 @@ def _tile(ends, tile_ends, num_experts, BM: tl.constexpr, E_POW2: tl.constexpr):
 def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts, gate, gate_estride, gate_row,
                     up, up_estride, up_row, gate_bias, up_bias, alpha, limit, h, hidden, ff,
                     GATE_FMT: tl.constexpr, UP_FMT: tl.constexpr, ACT: tl.constexpr, GATE_BIAS: tl.constexpr,
-                    UP_BIAS: tl.constexpr,
+                    UP_BIAS: tl.constexpr, SUPER: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_POW2: tl.constexpr,
                     INTERPRET: tl.constexpr):
     expert, first, end = _tile(ends, tile_ends, num_experts, BM, E_POW2)
@@ -197,10 +260,23 @@ def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts,
     u_base, u_rows = up + e * up_estride, (n * up_row)[:, None, None]
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in range(0, hidden, BK):
-        a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
-        acc_g = _mma(a, _weight_tile(g_base, g_rows, k, BN, BK, GATE_FMT, INTERPRET), acc_g, INTERPRET)
-        acc_u = _mma(a, _weight_tile(u_base, u_rows, k, BN, BK, UP_FMT, INTERPRET), acc_u, INTERPRET)
+    if SUPER == 2:  # the weights as the left operand: accumulators `[BN, BM]`
+        acc_gt = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_ut = tl.zeros([BN, BM], dtype=tl.float32)
+        for kb in range(0, hidden // 256):
+            acc_gt = _k4_super(acc_gt, a_ptrs + 256 * kb, rmask, g_base, n * gate_row + 144 * kb, True, INTERPRET)
+            acc_ut = _k4_super(acc_ut, a_ptrs + 256 * kb, rmask, u_base, n * up_row + 144 * kb, True, INTERPRET)
+        acc_g = tl.trans(acc_gt)
+        acc_u = tl.trans(acc_ut)
+    elif SUPER == 1:
+        for kb in range(0, hidden // 256):
+            acc_g = _k4_super(acc_g, a_ptrs + 256 * kb, rmask, g_base, n * gate_row + 144 * kb, False, INTERPRET)
+            acc_u = _k4_super(acc_u, a_ptrs + 256 * kb, rmask, u_base, n * up_row + 144 * kb, False, INTERPRET)
+    else:
+        for k in range(0, hidden, BK):
+            a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
+            acc_g = _mma(a, _weight_tile(g_base, g_rows, k, BN, BK, GATE_FMT, INTERPRET), acc_g, INTERPRET)
+            acc_u = _mma(a, _weight_tile(u_base, u_rows, k, BN, BK, UP_FMT, INTERPRET), acc_u, INTERPRET)
     if GATE_BIAS:
         acc_g += tl.load(gate_bias + e * ff + n)[None, :]
     if UP_BIAS:
@@ -211,7 +287,7 @@ def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts,
 
 @triton.jit
 def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down, down_estride, down_row, down_bias, y,
-                 hidden, ff, BIAS: tl.constexpr, DOWN_FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 hidden, ff, BIAS: tl.constexpr, DOWN_FMT: tl.constexpr, SUPER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, E_POW2: tl.constexpr, INTERPRET: tl.constexpr):
     expert, first, end = _tile(ends, tile_ends, num_experts, BM, E_POW2)
     if expert >= num_experts:
@@ -223,9 +299,18 @@ def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down, down_est
     e = expert.to(tl.int64)
     d_base, d_rows = down + e * down_estride, (n * down_row)[:, None, None]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in range(0, ff, BK):
-        a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0)
-        acc = _mma(a, _weight_tile(d_base, d_rows, k, BN, BK, DOWN_FMT, INTERPRET), acc, INTERPRET)
+    if SUPER == 2:
+        acc_t = tl.zeros([BN, BM], dtype=tl.float32)
+        for kb in range(0, ff // 256):
+            acc_t = _k4_super(acc_t, a_ptrs + 256 * kb, rmask, d_base, n * down_row + 144 * kb, True, INTERPRET)
+        acc = tl.trans(acc_t)
+    elif SUPER == 1:
+        for kb in range(0, ff // 256):
+            acc = _k4_super(acc, a_ptrs + 256 * kb, rmask, d_base, n * down_row + 144 * kb, False, INTERPRET)
+    else:
+        for k in range(0, ff, BK):
+            a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0)
+            acc = _mma(a, _weight_tile(d_base, d_rows, k, BN, BK, DOWN_FMT, INTERPRET), acc, INTERPRET)
     if BIAS:
         acc += tl.load(down_bias + e * hidden + n)[None, :]
     pairs = tl.load(order + rows, mask=rmask, other=0)
@@ -295,13 +380,14 @@ def _launch_gate_up(x: torch.Tensor, token_ids: torch.Tensor, order: torch.Tenso
                     config: MoeGemmConfig) -> None:
     math = bank.math
     biases = _biases(math, bank)
-    block_n, block_k = _fit(config.block_n, bank.ff), _fit(config.block_k, bank.hidden)
+    whole = whole_super_blocks(bank.gate_type, bank.hidden) and whole_super_blocks(bank.up_type, bank.hidden)
+    block_n, block_k = _fit(config.block_n, bank.ff), 32 if whole else _fit(config.block_k, bank.hidden)
     _gate_up_kernel[(bank.ff // block_n, grid_tiles)](
         x, x.stride(0), token_ids, order, ends, tile_ends, bank.num_experts, bank.gate, bank.gate.stride(0),
         bank.gate.stride(1), bank.up, bank.up.stride(0), bank.up.stride(1), biases[0], biases[1],
         math.alpha, math.limit, h, bank.hidden, bank.ff, GATE_FMT=int(bank.gate_type), UP_FMT=int(bank.up_type),
         ACT=ACTIVATIONS[math.activation], GATE_BIAS=math.gate_bias is not None,
-        UP_BIAS=math.up_bias is not None, BM=block_m, BN=block_n, BK=block_k,
+        UP_BIAS=math.up_bias is not None, SUPER=WHOLE_SUPER_BLOCKS if whole else 0, BM=block_m, BN=block_n, BK=block_k,
         E_POW2=triton.next_power_of_2(bank.num_experts), INTERPRET=interpreting(), num_warps=config.num_warps,
         num_stages=config.num_stages)
 
@@ -310,12 +396,19 @@ def _launch_down(h: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, en
                  tile_ends: torch.Tensor, bank: ExpertWeights, y: torch.Tensor, block_m: int, grid_tiles: int,
                  config: MoeGemmConfig) -> None:
     bias = _biases(bank.math, bank)[2]
-    block_n, block_k = _fit(config.block_n, bank.hidden), _fit(config.block_k, bank.ff)
+    whole = whole_super_blocks(bank.down_type, bank.ff)
+    block_n, block_k = _fit(config.block_n, bank.hidden), 32 if whole else _fit(config.block_k, bank.ff)
     _down_kernel[(bank.hidden // block_n, grid_tiles)](
         h, order, weights, ends, tile_ends, bank.num_experts, bank.down, bank.down.stride(0), bank.down.stride(1),
         bias, y, bank.hidden, bank.ff, BIAS=bank.math.down_bias is not None, DOWN_FMT=int(bank.down_type),
-        BM=block_m, BN=block_n, BK=block_k, E_POW2=triton.next_power_of_2(bank.num_experts),
+        SUPER=WHOLE_SUPER_BLOCKS if whole else 0, BM=block_m, BN=block_n, BK=block_k, E_POW2=triton.next_power_of_2(bank.num_experts),
         INTERPRET=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def whole_super_blocks(qtype: QType, cols: int) -> bool:
+    """Whether rows of `qtype` and `cols` run by whole super-blocks (`_k4_super`: scales once per row and
+    sub-block, 32 bytes of codes a load) rather than by groups of 16 (`_weight_tile`)."""
+    return qtype == QType.Q4_K and cols % 256 == 0 and WHOLE_SUPER_BLOCKS > 0
 
 
 def _fit(block: int, size: int) -> int:
