@@ -8,7 +8,8 @@ most of it compiling), so that it ends within a minute on an H200.
 With `decode` first: a decode step's sizes instead (1 to 32 tokens x top-8, Q4_K_M's mix): the decode kernels
 (`ops.triton.grouped_expert_ffn`) against the fused GEMMs, each the median of `repeats` replays of a CUDA graph of 20
 calls, each routed anew (weights mostly from HBM: one layer is 370 MB, L2 50 MB), divided by 20.
-PREFILL_CONFIGS=bm:bn:bk:warps:stages,...: the Q4_K_M layer, then those tile configs.
+PREFILL_CONFIGS=bm:bn:bk:warps:stages,...: the Q4_K_M layer (DECODE_TYPES=T: every matrix T), then those tile
+configs.
 With `ncu`: the Q4_K_M layer's fused GEMMs at 32 and 512 tokens, once each between cudaProfilerStart and Stop, for
 Nsight Compute's counters (`ncu --profile-from-start off --section ... python3 .ci/gpu-moe-gemm.py ncu`).
 Usage: python3 .ci/gpu-moe-gemm.py [decode | ncu] [repeats=10] [budget_s=40]  (needs CUDA)"""
@@ -168,7 +169,7 @@ def main(repeats: int, budget_s: float) -> None:
     if skipped:
         print(f"out of time ({budget_s:.0f} s), skipped: {', '.join(skipped)}", flush=True)
     if elapsed() < budget_s or configs:
-        layer = bank(LAYERS[0])
+        layer = bank((QType[named],) * 3 if named else LAYERS[0])
         for num_tokens in TOKENS:
             sweep(layer, num_tokens, repeats, float("inf") if configs else budget_s, configs or SWEEP)
     print(f"done in {elapsed():.1f} s", flush=True)

@@ -168,9 +168,9 @@ def _mma(a, w, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _k4_scales(head, w1, w2, w3, S: tl.constexpr):
-    """d * scale and dmin * min of sub-block S from a Q4_K super-block's first 4 words `[BN]` (fp16 d | dmin << 16,
-    then the 12 scale bytes b): S < 4: b[S] & 63, b[S + 4] & 63; else (b[S + 4] & 15) | (b[S - 4] >> 6) << 4,
+def _k4_scales(w1, w2, w3, S: tl.constexpr):
+    """The 6-bit scale and min of sub-block S (float32 `[BN]`) from a Q4_K super-block's words 1-3 (the 12 scale
+    bytes b; word 0 is fp16 d | dmin << 16): S < 4: b[S] & 63, b[S + 4] & 63; else (b[S + 4] & 15) | (b[S - 4] >> 6) << 4,
     (b[S + 4] >> 4) | (b[S] >> 6) << 4."""
     shift: tl.constexpr = 8 * (S % 4)
     if S < 4:
@@ -179,9 +179,7 @@ def _k4_scales(head, w1, w2, w3, S: tl.constexpr):
     else:
         sc = ((w3 >> shift) & 15) | (((w1 >> (shift + 6)) & 3) << 4)
         mn = ((w3 >> (shift + 4)) & 15) | (((w2 >> (shift + 6)) & 3) << 4)
-    d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = ((head >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return d * _float(sc, 0.0), dmin * _float(mn, 0.0)
+    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
@@ -199,18 +197,21 @@ def _k4_super(acc, a_ptrs, rmask, base, blk, W_LEFT: tl.constexpr, INTERPRET: tl
     words = (base + blk).to(tl.pointer_type(tl.int32), bitcast=True)
     head, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
     pairs = (base + blk[:, None] + 16).to(tl.pointer_type(tl.int16), bitcast=True) + tl.arange(0, 16)[None, :]
+    d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((head >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     for j in tl.static_range(4):
         v = tl.load(pairs + 16 * j).to(tl.int32)
-        s_lo, m_lo = _k4_scales(head, w1, w2, w3, 2 * j)
-        s_hi, m_hi = _k4_scales(head, w1, w2, w3, 2 * j + 1)
+        sc_lo, mn_lo = _k4_scales(w1, w2, w3, 2 * j)
+        sc_hi, mn_hi = _k4_scales(w1, w2, w3, 2 * j + 1)
         # a byte in mantissa bits 15-22 of 1.0: the low nibble v as the float 1 + v / 256, the high one as
         # 1 + v / 16, so that w = 256 s (1 + v / 256) - (256 s + m) is one FMA (its product exact)
         t0, t1 = v << 15, v << 7  # the pair's first byte, its second
         lo = tl.reshape(tl.join(t0 & 0x78000, t1 & 0x78000), [v.shape[0], 32]) | 0x3F800000
         hi = tl.reshape(tl.join(t0 & 0x780000, t1 & 0x780000), [v.shape[0], 32]) | 0x3F800000
         lo, hi = lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
-        lo = lo * (256.0 * s_lo)[:, None] - (256.0 * s_lo + m_lo)[:, None]
-        hi = hi * (16.0 * s_hi)[:, None] - (16.0 * s_hi + m_hi)[:, None]
+        s_lo, s_hi = (256.0 * d) * sc_lo, (16.0 * d) * sc_hi
+        lo = lo * s_lo[:, None] - (s_lo + dmin * mn_lo)[:, None]
+        hi = hi * s_hi[:, None] - (s_hi + dmin * mn_hi)[:, None]
         a_lo = tl.load(a_ptrs + 64 * j, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
         a_hi = tl.load(a_ptrs + 64 * j + 32, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
         if W_LEFT:
