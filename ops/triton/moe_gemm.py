@@ -170,8 +170,8 @@ def _mma(a, w, acc, INTERPRET: tl.constexpr):
 @triton.jit
 def _k4_scales(w1, w2, w3, S: tl.constexpr):
     """The 6-bit scale and min of sub-block S (float32 `[BN]`) from a Q4_K super-block's words 1-3 (the 12 scale
-    bytes b; word 0 is fp16 d | dmin << 16): S < 4: b[S] & 63, b[S + 4] & 63; else (b[S + 4] & 15) | (b[S - 4] >> 6) << 4,
-    (b[S + 4] >> 4) | (b[S] >> 6) << 4."""
+    bytes b; word 0 is fp16 d | dmin << 16): S < 4: b[S] & 63, b[S + 4] & 63; else (b[S + 4] & 15) | (b[S - 4] >> 6)
+    << 4, (b[S + 4] >> 4) | (b[S] >> 6) << 4."""
     shift: tl.constexpr = 8 * (S % 4)
     if S < 4:
         sc = (w1 >> shift) & 63
@@ -288,8 +288,8 @@ def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts,
 
 @triton.jit
 def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down, down_estride, down_row, down_bias, y,
-                 hidden, ff, BIAS: tl.constexpr, DOWN_FMT: tl.constexpr, SUPER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, E_POW2: tl.constexpr, INTERPRET: tl.constexpr):
+                 hidden, ff, BIAS: tl.constexpr, DOWN_FMT: tl.constexpr, SUPER: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, E_POW2: tl.constexpr, INTERPRET: tl.constexpr):
     expert, first, end = _tile(ends, tile_ends, num_experts, BM, E_POW2)
     if expert >= num_experts:
         return
@@ -388,7 +388,8 @@ def _launch_gate_up(x: torch.Tensor, token_ids: torch.Tensor, order: torch.Tenso
         bank.gate.stride(1), bank.up, bank.up.stride(0), bank.up.stride(1), biases[0], biases[1],
         math.alpha, math.limit, h, bank.hidden, bank.ff, GATE_FMT=int(bank.gate_type), UP_FMT=int(bank.up_type),
         ACT=ACTIVATIONS[math.activation], GATE_BIAS=math.gate_bias is not None,
-        UP_BIAS=math.up_bias is not None, SUPER=WHOLE_SUPER_BLOCKS if whole else 0, BM=block_m, BN=block_n, BK=block_k,
+        UP_BIAS=math.up_bias is not None, SUPER=WHOLE_SUPER_BLOCKS if whole else 0, BM=block_m, BN=block_n,
+        BK=block_k,
         E_POW2=triton.next_power_of_2(bank.num_experts), INTERPRET=interpreting(), num_warps=config.num_warps,
         num_stages=config.num_stages)
 
@@ -402,7 +403,8 @@ def _launch_down(h: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, en
     _down_kernel[(bank.hidden // block_n, grid_tiles)](
         h, order, weights, ends, tile_ends, bank.num_experts, bank.down, bank.down.stride(0), bank.down.stride(1),
         bias, y, bank.hidden, bank.ff, BIAS=bank.math.down_bias is not None, DOWN_FMT=int(bank.down_type),
-        SUPER=WHOLE_SUPER_BLOCKS if whole else 0, BM=block_m, BN=block_n, BK=block_k, E_POW2=triton.next_power_of_2(bank.num_experts),
+        SUPER=WHOLE_SUPER_BLOCKS if whole else 0, BM=block_m, BN=block_n, BK=block_k,
+        E_POW2=triton.next_power_of_2(bank.num_experts),
         INTERPRET=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
