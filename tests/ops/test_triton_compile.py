@@ -69,17 +69,21 @@ def test_prepare_compiles_for_sm90(qtype: QType) -> None:
     compile_for_sm90(_prepare_kernel, {}, dict(FMT=int(qtype), BLOCK=1024, GROUP=16))
 
 
-# the fused prefill GEMMs (`ops.triton.moe_gemm`): every format with the plain math, gpt-oss's and Gemma's maths
-MOE_GEMM_VARIANTS = [(t, "silu", False) for t in moe_gemm.KERNEL_TYPES] + \
-    [(QType.MXFP4, "swiglu_oai", True), (QType.Q4_K, "gelu", True)]
+# the fused prefill GEMMs (`ops.triton.moe_gemm`): every format with the plain math, gpt-oss's and Gemma's maths;
+# Q4_K by groups of 16 too (rows not whole super-blocks) and with the weights as the right operand
+MOE_GEMM_VARIANTS = [(t, "silu", False, 2 if t == QType.Q4_K else 0) for t in moe_gemm.KERNEL_TYPES] + \
+    [(QType.MXFP4, "swiglu_oai", True, 0), (QType.Q4_K, "gelu", True, 2), (QType.Q4_K, "silu", False, 0),
+     (QType.Q4_K, "silu", False, 1)]
 
 
 @needs_backend
-@pytest.mark.parametrize("variant", MOE_GEMM_VARIANTS, ids=lambda v: f"{v[0].name}-{v[1]}{'-biases' if v[2] else ''}")
-def test_moe_gemm_compiles_for_sm90(variant: tuple[QType, str, bool]) -> None:
-    qtype, activation, biases = variant
+@pytest.mark.parametrize("variant", MOE_GEMM_VARIANTS,
+                         ids=lambda v: f"{v[0].name}-{v[1]}{'-biases' if v[2] else ''}-super{v[3]}")
+def test_moe_gemm_compiles_for_sm90(variant: tuple[QType, str, bool, int]) -> None:
+    qtype, activation, biases, whole = variant
     config = moe_gemm.MoeGemmConfig()
-    tiles = dict(BM=32, BN=config.block_n, BK=config.block_k, E_POW2=128, INTERPRET=False)
+    tiles = dict(BM=32, BN=config.block_n, BK=32 if whole else config.block_k, E_POW2=128, INTERPRET=False,
+                 SUPER=whole)
     compile_for_sm90(moe_gemm._gate_up_kernel, PREFILL_TYPES,
                      dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), ACT=ACTIVATIONS[activation], GATE_BIAS=biases,
                           UP_BIAS=biases, **tiles), config.num_warps)
