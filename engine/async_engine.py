@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -32,6 +34,11 @@ Progress = Callable[[str, int, int], None]
 Load = Callable[[EngineConfig, Progress | None], LLMEngine]  # how the engine thread builds the engine
 ABORT_GRACE_S = 10.0  # aborts land within one step; this only bounds a wedged device
 CACHE_PUBLISH_S = 0.1  # the cache's figures and usage map, copied at most this often while busy (readers: 0.5 s)
+# NOTE: the engine thread waits on the device with the GIL released; when the step ends it must get the GIL back
+# from the event loop, which may be in the middle of the last step's outputs (text, SSE or protobuf, writes). Python
+# hands the GIL over to a waiting thread only after its switch interval (5 ms by default): up to half a decode step
+# of 8 sequences, the device idle. A shorter interval bounds that wait; MOECACHE_GIL_SWITCH_MS overrides it.
+GIL_SWITCH_S = float(os.environ.get("MOECACHE_GIL_SWITCH_MS", "0.5")) / 1e3
 
 
 class EngineUnavailableError(RuntimeError):
@@ -281,6 +288,7 @@ class AsyncEngine:
         self._loaded = self._loop.create_future()
         self._idle = asyncio.Event()
         self._idle.set()
+        sys.setswitchinterval(GIL_SWITCH_S)  # the process's: the engine thread is what it serves
         self._thread = threading.Thread(target=self._run, name="moecache-engine", daemon=True)
         self._thread.start()
         await asyncio.shield(self._loaded)
