@@ -13,6 +13,7 @@ from ops.kv_quant import KV_CACHE_TYPES
 MISS_MODES = ("cpu", "stream", "hybrid")
 POLICIES = ("lru", "decay", "lfru", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DENSE_WEIGHTS = ("auto", "q8_0", "dtype")
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,17 @@ class ModelConfig:
     cache_type_v: str | None = field(default=None, metadata={  # None: kv_cache_dtype
         "flag": ("-ctv", "--cache-type-v"), "choices": tuple(KV_CACHE_TYPES),
         "help": "V cache type (default: --kv-cache-dtype)"})
+    dense_weights: str = field(default="auto", metadata={  # auto: q8_0 on cuda, dtype elsewhere
+        "flag": "--dense-weights", "choices": DENSE_WEIGHTS, "help": "dense matrices (attention, dense and shared "
+        "FFNs, output): q8_0 keeps those the file holds as Q8_0 so (half the bytes a decode step reads), dtype "
+        "dequantizes every one to --dtype (default auto: q8_0 on cuda)"})
     cuda_graphs: bool = True  # decode steps as CUDA graphs where no host sync is needed
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
+        if self.dense_weights not in DENSE_WEIGHTS:
+            raise ValueError(f"dense_weights must be one of {', '.join(DENSE_WEIGHTS)} (got {self.dense_weights!r})")
         if self.max_context < 2:
             raise ValueError("max_context must be at least 2")
         for name in (self.kv_cache_dtype, self.cache_type_k, self.cache_type_v):

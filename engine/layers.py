@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.weights import DenseFFN
-from ops.fused import gated_act
+from ops.fused import gated_act, linear
 
 
 def swiglu(x: torch.Tensor, ffn: DenseFFN) -> torch.Tensor:
-    return F.linear(gated_act(F.linear(x, ffn.gate_up), "silu"), ffn.down)
+    return linear(gated_act(linear(x, ffn.gate_up), "silu"), ffn.down)

@@ -86,7 +86,9 @@ class LLMEngine:
                            *config.model.kv_types)
         self.device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, self.device)
-        self.weights = load_weights(self.gguf, self.device, dtype, _bytes_progress(progress, self.gguf))
+        keep_q8 = config.model.dense_weights == "q8_0" or (config.model.dense_weights == "auto"
+                                                            and self.device.type == "cuda")
+        self.weights = load_weights(self.gguf, self.device, dtype, _bytes_progress(progress, self.gguf), keep_q8)
         hp = self.weights.hparams
         max_len = min(config.model.max_context, hp.context_length)
         sched = replace(config.scheduler, max_model_len=max_len)

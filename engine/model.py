@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-import torch.nn.functional as F
 
 from engine.arch import deepseek2, gemma4
 from engine.arch.base import YaRN
@@ -17,7 +16,15 @@ from engine.kv_cache import KVCache
 from engine.layers import swiglu
 from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
 from engine.weights import Attention, DenseFFN, ModelWeights, MoE
-from ops.fused import add_rms_norm, decode_attention, prefill_attention, qk_norm_rope, rms_norm, sandwich_norm
+from ops.fused import (
+    add_rms_norm,
+    decode_attention,
+    linear,
+    prefill_attention,
+    qk_norm_rope,
+    rms_norm,
+    sandwich_norm,
+)
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,7 @@ class Model:
         return self.logits(x[batch.logit_rows])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(rms_norm(x, self.w.norm, self.hp.rms_eps), self.w.output).float()
+        logits = linear(rms_norm(x, self.w.norm, self.hp.rms_eps), self.w.output).float()
         cap = self.hp.logit_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 
@@ -173,13 +180,13 @@ class Model:
             if k is not None:
                 kv.write(i, batch.slot_ids, batch.positions, k, v)
             # NOTE: a shared-KV layer reads the cache of a layer of its kind: the same window
-            return F.linear(self.attend(self.hp.kv_layer(i), q, batch, kv, None).reshape(x.shape[0], -1), a.o)
+            return linear(self.attend(self.hp.kv_layer(i), q, batch, kv, None).reshape(x.shape[0], -1), a.o)
         if isinstance(a, MLAttention):
             q, latent = deepseek2.project_qk(a, self.hp, x, batch.positions, self.inv_freq, self.rope_gain)
             kv.write(i, batch.slot_ids, batch.positions, latent, None)
             return deepseek2.project_out(a, self.attend(i, q, batch, kv, None))
         hp, n = self.hp, x.shape[0]
-        qkv = F.linear(x, a.qkv, a.qkv_bias)
+        qkv = linear(x, a.qkv, a.qkv_bias)
         style, positions, eps = self.arch.rope_style, batch.positions, hp.rms_eps
         if self.arch.qk_norm == "full":
             assert a.q_norm is not None and a.k_norm is not None, "full q/k norm weights are loaded with the layer"
@@ -197,7 +204,7 @@ class Model:
             v = a.split(qkv)[2]
         v = v.view(n, hp.num_kv_heads, hp.head_dim)
         kv.write(i, batch.slot_ids, batch.positions, k, v)
-        return F.linear(self.attend(i, q, batch, kv, a.sinks).reshape(n, -1), a.o, a.o_bias)
+        return linear(self.attend(i, q, batch, kv, a.sinks).reshape(n, -1), a.o, a.o_bias)
 
     def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
                sinks: torch.Tensor | None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Model weights from a GGUF file: dense tensors dequantized to the compute dtype on the device, routed
+"""Model weights from a GGUF file: dense tensors dequantized to the compute dtype on the device (the matrices that
+are only multiplied by kept as Q8_0 where the file has them so and the loader is asked to: `ops.qweight`), routed
 experts left as raw GGUF bytes in the file's memory map (placement happens in the expert cache)."""
 
 from __future__ import annotations
@@ -15,19 +16,20 @@ from engine.arch.deepseek2 import MLAttention
 from engine.arch.gemma4 import GemmaAttention, Sandwich
 from engine.gguf.reader import GGUFError, GGUFFile, TensorInfo
 from ops.bank import ExpertWeights, split_gate_up
-from ops.quants import dequantize, format_of
+from ops.quants import QType, dequantize, format_of
+from ops.qweight import Matrix, Q8Weight
 
 
 @dataclass(frozen=True)
 class DenseFFN:
-    gate_up: torch.Tensor  # [2 * ff, hidden]: gate, then up, one GEMV for both
-    down: torch.Tensor  # [hidden, ff]
+    gate_up: Matrix  # [2 * ff, hidden]: gate, then up, one GEMV for both
+    down: Matrix  # [hidden, ff]
 
 
 @dataclass(frozen=True)
 class Attention:
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v stacked, one GEMV for all three
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    qkv: Matrix  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v stacked, one GEMV for all three
+    o: Matrix  # [hidden, heads * head_dim]
     q_dim: int  # heads * head_dim: the rows of q; k and v split the rest
     qkv_bias: torch.Tensor | None = None  # q, k, v biases stacked (zeros where one has none)
     q_norm: torch.Tensor | None = None  # [head_dim] or [heads * head_dim]
@@ -69,7 +71,7 @@ class ModelWeights:
     arch: ArchSpec
     embed: torch.Tensor  # [vocab, hidden]
     norm: torch.Tensor
-    output: torch.Tensor  # [vocab, hidden]; the embedding when tied
+    output: Matrix  # [vocab, hidden]; the embedding when tied
     layers: tuple[Layer, ...]
     rope_factors: torch.Tensor | None = None  # float32 [head_dim / 2]: full-attention layers' frequency divisors
 
@@ -87,8 +89,8 @@ def host_bytes(info: TensorInfo) -> torch.Tensor:
 
 class WeightLoader:
     def __init__(self, gguf: GGUFFile, device: torch.device, dtype: torch.dtype,
-                 progress: Callable[[int], None] | None = None) -> None:
-        self.gguf, self.device, self.dtype, self.progress = gguf, device, dtype, progress
+                 progress: Callable[[int], None] | None = None, keep_q8: bool = False) -> None:
+        self.gguf, self.device, self.dtype, self.progress, self.keep_q8 = gguf, device, dtype, progress, keep_q8
         self.arch = get_arch(gguf.architecture)
         vocab = gguf.get("tokenizer.ggml.tokens")
         embed = gguf.tensor(GLOBAL_TENSORS["embed"])
@@ -112,6 +114,14 @@ class WeightLoader:
         values = dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape)
         return values.to(self.device, dtype or self.dtype)
 
+    def matrix(self, *parts: tuple[str, tuple[int, int]]) -> Matrix:
+        infos = [self.tensor(name, shape) for name, shape in parts]
+        if self.keep_q8 and all(info.qtype == QType.Q8_0 for info in infos):
+            return Q8Weight.stack([Q8Weight.from_gguf(host_bytes(info), shape, self.device)
+                                   for info, (_, shape) in zip(infos, parts, strict=True)])
+        return torch.cat([dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape)
+                          .to(self.device, self.dtype) for info, (_, shape) in zip(infos, parts, strict=True)])
+
     def optional(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return self.dense(name, shape, dtype) if self.gguf.has(name) else None
 
@@ -125,7 +135,7 @@ class WeightLoader:
     def load(self) -> ModelWeights:
         hp, g = self.hp, GLOBAL_TENSORS
         embed = self.dense(g["embed"], (hp.vocab_size, hp.hidden))
-        output = self.optional(g["output"], (hp.vocab_size, hp.hidden))
+        output = self.matrix((g["output"], (hp.vocab_size, hp.hidden))) if self.has(g["output"]) else None
         layers = tuple(self.layer(i) for i in range(hp.num_layers))
         norm = self.dense(g["norm"], (hp.hidden,))
         factors = self.optional(g["rope_freqs"], (hp.rope_dim // 2,), torch.float32)
@@ -153,14 +163,14 @@ class WeightLoader:
         q_dim, kv_dim = hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
         norm_dim = {"head": hp.head_dim, "full": q_dim, "none": 0}[self.arch.qk_norm]
         k_norm_dim = kv_dim if self.arch.qk_norm == "full" else norm_dim
-        weights = [self.dense(t(role), (dim, hp.hidden)) for role, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))]
-        biases = [self.optional(t(role), (dim,)) for role, dim in (("q_bias", q_dim), ("k_bias", kv_dim),
-                                                                    ("v_bias", kv_dim))]
+        dims = (q_dim, kv_dim, kv_dim)
+        qkv = self.matrix(*((t(role), (dim, hp.hidden)) for role, dim in zip("qkv", dims, strict=True)))
+        biases = [self.optional(t(f"{role}_bias"), (dim,)) for role, dim in zip("qkv", dims, strict=True)]
         bias = None if all(b is None for b in biases) else torch.cat(
-            [torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
-             for w, b in zip(weights, biases)])
+            [torch.zeros(dim, dtype=self.dtype, device=self.device) if b is None else b
+             for dim, b in zip(dims, biases, strict=True)])
         return Attention(
-            qkv=torch.cat(weights), o=self.dense(t("o"), (hp.hidden, q_dim)), q_dim=q_dim, qkv_bias=bias,
+            qkv=qkv, o=self.matrix((t("o"), (hp.hidden, q_dim))), q_dim=q_dim, qkv_bias=bias,
             q_norm=self.dense(t("q_norm"), (norm_dim,)) if norm_dim else None,
             k_norm=self.dense(t("k_norm"), (k_norm_dim,)) if norm_dim else None,
             o_bias=self.optional(t("o_bias"), (hp.hidden,)),
@@ -171,8 +181,8 @@ class WeightLoader:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
         if not ff:
             ff = self.gguf.tensor(t(gate)).shape[0]
-        return DenseFFN(torch.cat([self.dense(t(gate), (ff, hp.hidden)), self.dense(t(up), (ff, hp.hidden))]),
-                        self.dense(t(down), (hp.hidden, ff)))
+        return DenseFFN(self.matrix((t(gate), (ff, hp.hidden)), (t(up), (ff, hp.hidden))),
+                        self.matrix((t(down), (hp.hidden, ff))))
 
     def moe(self, i: int) -> MoE:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
@@ -201,9 +211,10 @@ class WeightLoader:
 
 
 def load_weights(gguf: GGUFFile, device: torch.device, dtype: torch.dtype,
-                 progress: Callable[[int], None] | None = None) -> ModelWeights:
+                 progress: Callable[[int], None] | None = None, keep_q8: bool = False) -> ModelWeights:
+    """`keep_q8`: the Q8_0 matrices that are only multiplied by stay Q8_0 (`WeightLoader.matrix`)."""
     try:
-        return WeightLoader(gguf, device, dtype, progress).load()
+        return WeightLoader(gguf, device, dtype, progress, keep_q8).load()
     except ValueError as exc:
         if isinstance(exc, GGUFError):
             raise

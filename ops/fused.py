@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ops.kv_quant import dense, quantize_rows, row_bytes
 from ops.quants import QType
+from ops.qweight import Q8Weight
 
 RopeStyle = Literal["neox", "normal"]
 
@@ -39,6 +40,17 @@ def _fused(x: torch.Tensor) -> bool:
 
 
 # --- dispatch -------------------------------------------------------------------------------------------
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Q8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias): W a tensor, or a dense matrix kept as Q8_0 (`ops.qweight`), read as it is where the kernel
+    runs."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    if _fused(x):
+        from ops.triton.qlinear import q8_linear
+        return q8_linear(x, w, bias)
+    return F.linear(x, w.dequantize(x.dtype), bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

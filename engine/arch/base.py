@@ -10,6 +10,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from ops.expert_math import PLAIN, ExpertMath
+from ops.qweight import Matrix
 
 EXPERT_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's `expert_gating_func` values
 
@@ -182,6 +183,11 @@ class TensorSource(Protocol):
     """What an architecture module loads its own tensors from (`engine.weights.WeightLoader`)."""
 
     def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor: ...
+
+    def matrix(self, *parts: tuple[str, tuple[int, int]]) -> Matrix:
+        """Matrices stacked by rows that are only ever multiplied by (`ops.fused.linear`): kept as Q8_0 where the
+        loader keeps them (`ops.qweight`), else in the compute dtype."""
+        ...
 
     def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None: ...
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
 from engine.arch.base import MLA, ArchSpec, HParams, TensorSource, layer_tensor, yarn_mscale
-from ops.fused import qk_norm_rope, rms_norm
+from ops.fused import linear, qk_norm_rope, rms_norm
+from ops.qweight import Matrix
 
 YARN_LOG_MUL_UNIT = 0.1  # llama.cpp's converter writes 0.1 x mscale_all_dim as the YaRN log multiplier
 
@@ -65,15 +65,15 @@ ARCH = DeepSeek2Spec(name="deepseek2", rope_style="normal", qk_norm="none", norm
 
 @dataclass(frozen=True)
 class MLAttention:
-    in_proj: torch.Tensor  # [q_rows + kv_lora_rank + rope_dim, hidden]: q (or its LoRA down-projection) and the
+    in_proj: Matrix  # [q_rows + kv_lora_rank + rope_dim, hidden]: q (or its LoRA down-projection) and the
     # latent with the rotary key, one GEMV
     q_rows: int
     kv_a_norm: torch.Tensor  # [kv_lora_rank]
     k_b: torch.Tensor  # [heads, kv_lora_rank, nope_dim]: absorbed into q
     v_b: torch.Tensor  # [heads, v_dim, kv_lora_rank]: decompresses the attention's latent output
-    o: torch.Tensor  # [hidden, heads * v_dim]
+    o: Matrix  # [hidden, heads * v_dim]
     q_a_norm: torch.Tensor | None = None  # [q_lora_rank]
-    q_b: torch.Tensor | None = None  # [heads * (nope_dim + rope_dim), q_lora_rank]
+    q_b: Matrix | None = None  # [heads * (nope_dim + rope_dim), q_lora_rank]
 
 
 def load_attention(src: TensorSource, i: int, hp: HParams) -> MLAttention:
@@ -81,14 +81,14 @@ def load_attention(src: TensorSource, i: int, hp: HParams) -> MLAttention:
     assert m is not None, "deepseek2 hyperparameters carry their MLA shapes"
     q_dim = hp.num_heads * (m.nope_dim + m.rope_dim)
     if m.q_lora_rank:
-        q, q_a_norm = src.dense(t("q_a"), (m.q_lora_rank, hp.hidden)), src.dense(t("q_a_norm"), (m.q_lora_rank,))
-        q_b: torch.Tensor | None = src.dense(t("q_b"), (q_dim, m.q_lora_rank))
+        q = (t("q_a"), (m.q_lora_rank, hp.hidden))
+        q_a_norm, q_b = src.dense(t("q_a_norm"), (m.q_lora_rank,)), src.matrix((t("q_b"), (q_dim, m.q_lora_rank)))
     else:
-        q, q_a_norm, q_b = src.dense(t("q"), (q_dim, hp.hidden)), None, None
+        q, q_a_norm, q_b = (t("q"), (q_dim, hp.hidden)), None, None
     k_b, v_b = _kv_decompression(src, i, hp, m)
-    return MLAttention(torch.cat([q, src.dense(t("kv_a"), (m.latent_dim, hp.hidden))]), q.shape[0],
+    return MLAttention(src.matrix(q, (t("kv_a"), (m.latent_dim, hp.hidden))), q[1][0],
                        src.dense(t("kv_a_norm"), (m.kv_lora_rank,)), k_b, v_b,
-                       src.dense(t("o"), (hp.hidden, hp.num_heads * m.v_dim)), q_a_norm, q_b)
+                       src.matrix((t("o"), (hp.hidden, hp.num_heads * m.v_dim))), q_a_norm, q_b)
 
 
 def _kv_decompression(src: TensorSource, i: int, hp: HParams, m: MLA) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,10 +116,10 @@ def project_qk(a: MLAttention, hp: HParams, x: torch.Tensor, positions: torch.Te
     `rope_gain` multiplies q's rotary part: YaRN's cos/sin magnitude, squared, on the q side only."""
     m, n, eps = hp.mla, x.shape[0], hp.rms_eps
     assert m is not None, "deepseek2 hyperparameters carry their MLA shapes"
-    q, kv = F.linear(x, a.in_proj).split([a.q_rows, m.latent_dim], dim=-1)
+    q, kv = linear(x, a.in_proj).split([a.q_rows, m.latent_dim], dim=-1)
     if a.q_b is not None:
         assert a.q_a_norm is not None, "a q LoRA comes with its norm"
-        q = F.linear(rms_norm(q, a.q_a_norm, eps), a.q_b)
+        q = linear(rms_norm(q, a.q_a_norm, eps), a.q_b)
     q_nope, q_rot = q.view(n, hp.num_heads, m.nope_dim + m.rope_dim).split([m.nope_dim, m.rope_dim], dim=-1)
     q_rot = qk_norm_rope(q_rot, None, positions, inv_freq, ARCH.rope_style, eps)
     k_rot = qk_norm_rope(kv[:, None, m.kv_lora_rank:], None, positions, inv_freq, ARCH.rope_style, eps)
@@ -132,4 +132,4 @@ def project_qk(a: MLAttention, hp: HParams, x: torch.Tensor, positions: torch.Te
 def project_out(a: MLAttention, out: torch.Tensor) -> torch.Tensor:
     """The attention's output in latent space `[tokens, heads, kv_lora_rank]` -> `[tokens, hidden]`."""
     values = torch.einsum("nhr,hvr->nhv", out, a.v_b)
-    return F.linear(values.reshape(out.shape[0], -1), a.o)
+    return linear(values.reshape(out.shape[0], -1), a.o)

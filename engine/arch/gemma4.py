@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.arch.base import ArchSpec, HParams, TensorSource, layer_tensor
 from ops.expert_math import ExpertMath
-from ops.fused import gated_act, qk_norm_rope, rms_norm
+from ops.fused import gated_act, linear, qk_norm_rope, rms_norm
+from ops.qweight import Matrix
 
 GELU = ExpertMath("gelu")
 
@@ -74,8 +74,8 @@ ARCH = Gemma4Spec(name="gemma4", rope_style="neox", qk_norm="head", norm_topk=Tr
 
 @dataclass(frozen=True)
 class GemmaAttention:
-    qkv: torch.Tensor  # [(heads + kv_heads (+ kv_heads)) * head_dim, hidden]: q, k, and v where the layer has one
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    qkv: Matrix  # [(heads + kv_heads (+ kv_heads)) * head_dim, hidden]: q, k, and v where the layer has one
+    o: Matrix  # [hidden, heads * head_dim]
     num_heads: int
     num_kv_heads: int  # 0: a shared-KV layer (q only)
     head_dim: int
@@ -100,13 +100,13 @@ class Sandwich:
 
 @dataclass(frozen=True)
 class DenseMLP:
-    gate_up: torch.Tensor  # [2 * ff, hidden]: gate, then up
-    down: torch.Tensor  # [hidden, ff]
+    gate_up: Matrix  # [2 * ff, hidden]: gate, then up
+    down: Matrix  # [hidden, ff]
 
 
 def gelu_mlp(x: torch.Tensor, mlp: Any) -> torch.Tensor:
     """`down(gelu_tanh(gate x) * up x)` of any FFN with stacked gate/up and down matrices."""
-    return F.linear(gated_act(F.linear(x, mlp.gate_up), "gelu"), mlp.down)
+    return linear(gated_act(linear(x, mlp.gate_up), "gelu"), mlp.down)
 
 
 def load_attention(src: TensorSource, i: int, hp: HParams) -> GemmaAttention:
@@ -114,14 +114,15 @@ def load_attention(src: TensorSource, i: int, hp: HParams) -> GemmaAttention:
     q_dim = hp.num_heads * hd
     owns_kv = hp.kv_layer(i) == i
     kv_heads = hp.kv_heads_of(i) if owns_kv else 0
-    parts = [src.dense(t("q"), (q_dim, hp.hidden))]
+    parts = [(t("q"), (q_dim, hp.hidden))]
     if owns_kv:
-        parts.append(src.dense(t("k"), (kv_heads * hd, hp.hidden)))
+        parts.append((t("k"), (kv_heads * hd, hp.hidden)))
     has_v = owns_kv and src.has(t("v"))
     if has_v:
-        parts.append(src.dense(t("v"), (kv_heads * hd, hp.hidden)))
+        parts.append((t("v"), (kv_heads * hd, hp.hidden)))
     q_norm = src.dense(t("q_norm"), (hd,))
-    return GemmaAttention(torch.cat(parts), src.dense(t("o"), (hp.hidden, q_dim)), hp.num_heads, kv_heads, hd, has_v,
+    return GemmaAttention(src.matrix(*parts), src.matrix((t("o"), (hp.hidden, q_dim))), hp.num_heads, kv_heads, hd,
+                          has_v,
                           q_norm, src.dense(t("k_norm"), (hd,)) if owns_kv else None, torch.ones_like(q_norm))
 
 
@@ -132,8 +133,8 @@ def load_sandwich(src: TensorSource, i: int, hp: HParams, is_moe: bool) -> Sandw
     if not is_moe:
         return Sandwich(norm("post_attn_norm"), norm("post_ffn_norm"), scale)
     ff = hp.dense_ff
-    mlp = DenseMLP(torch.cat([src.dense(t("gate"), (ff, hp.hidden)), src.dense(t("up"), (ff, hp.hidden))]),
-                   src.dense(t("down"), (hp.hidden, ff)))
+    mlp = DenseMLP(src.matrix((t("gate"), (ff, hp.hidden)), (t("up"), (ff, hp.hidden))),
+                   src.matrix((t("down"), (hp.hidden, ff))))
     return Sandwich(norm("post_attn_norm"), norm("post_ffn_norm"), scale, mlp, norm("post_ffn_norm_1"),
                     norm("pre_ffn_norm_2"), norm("post_ffn_norm_2"))
 
@@ -148,7 +149,7 @@ def project(a: GemmaAttention, x: torch.Tensor, positions: torch.Tensor, inv_fre
     """x `[tokens, hidden]` -> q `[tokens, heads, head_dim]` and the layer's k and v `[tokens, kv_heads,
     head_dim]` (None for a shared-KV layer): normed, q and k rotated."""
     n, hd = x.shape[0], a.head_dim
-    qkv = F.linear(x, a.qkv)
+    qkv = linear(x, a.qkv)
     if not a.num_kv_heads:
         q = qk_norm_rope(qkv.view(n, a.num_heads, hd), a.q_norm, positions, inv_freq, ARCH.rope_style, eps)
         return q, None, None

@@ -21,6 +21,7 @@ from engine.arch.base import GLOBAL_TENSORS, layer_tensor
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
 from ops.quants import QType, format_of, random_blocks, supported_types
+from ops.qweight import Q8Weight
 from tests.engine_runs import teacher_forced
 from tests.gguf_reference import reference_logprobs, reference_model
 from tools.embedded_vocab import build_embedded_vocab
@@ -86,7 +87,8 @@ def model_tensors(hp: HParams) -> Iterator[TensorSpec]:
         yield random_tensor(t("up_exps"), (e, ff, hp.hidden), up, seed + 10)
         yield random_tensor(t("down_exps"), (e, hp.hidden, ff), down, seed + 11)
     yield norm_tensor(GLOBAL_TENSORS["norm"], hp.hidden, 2)
-    yield random_tensor(GLOBAL_TENSORS["output"], (hp.vocab_size, hp.hidden), next(dense), 3)
+    # Q8_0, as synth files hold it: the matrix a loader may keep as Q8_0 (`dense_weights`)
+    yield random_tensor(GLOBAL_TENSORS["output"], (hp.vocab_size, hp.hidden), QType.Q8_0, 3)
 
 
 @pytest.fixture(scope="module", params=["qwen3moe", "llama"])
@@ -104,11 +106,16 @@ def test_the_model_holds_every_supported_type(mixed_gguf: Path) -> None:
     assert held == set(supported_types())
 
 
+@pytest.mark.parametrize("dense", ["dtype", "q8_0"])
 @pytest.mark.parametrize("cache", list(CACHES))
-def test_forward_matches_the_float_reference(mixed_gguf: Path, cache: str) -> None:
+def test_forward_matches_the_float_reference(mixed_gguf: Path, cache: str, dense: str) -> None:
+    """dense q8_0: the Q8_0 matrices stay Q8_0 (`ops.qweight`), multiplied as such (`ops.fused.linear`)."""
     ids = torch.randint(0, 4096, (PROMPT_LEN,), generator=torch.Generator().manual_seed(4)).tolist()
     expected = reference_logprobs(reference_model(mixed_gguf), ids)[PREFILL - 1:]
-    engine = LLMEngine(EngineConfig(ModelConfig(str(mixed_gguf), device="cpu", max_context=128), CACHES[cache]))
+    engine = LLMEngine(EngineConfig(ModelConfig(str(mixed_gguf), device="cpu", max_context=128,
+                                                dense_weights=dense), CACHES[cache]))
+    kept = [layer.attn.o for layer in engine.weights.layers] + [engine.weights.output]
+    assert any(isinstance(m, Q8Weight) for m in kept) == (dense == "q8_0")
     got = teacher_forced(engine, ids, PREFILL)
     engine.close()
     assert float(expected.max(-1).values.mean()) > -6.0  # peaky: far from a uniform 4096-way choice

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the GPU 
 
 from gguf import GGMLQuantizationType as QType  # noqa: E402
 
-from ops.triton import moe_gemm  # noqa: E402
+from ops.triton import moe_gemm, qlinear  # noqa: E402
 from ops.triton.attention import _split_kernel  # noqa: E402
 from ops.triton.down import _down_kernel  # noqa: E402
 from ops.triton.fused import _gated_act_kernel, _sandwich_kernel  # noqa: E402
@@ -89,6 +89,15 @@ def test_moe_gemm_compiles_for_sm90(variant: tuple[QType, str, bool, int]) -> No
                           UP_BIAS=biases, **tiles), config.num_warps)
     compile_for_sm90(moe_gemm._down_kernel, PREFILL_TYPES, dict(BIAS=biases, DOWN_FMT=int(qtype), **tiles),
                      config.num_warps)
+
+
+@needs_backend
+@pytest.mark.parametrize("rows", [1, 32, 512])
+def test_q8_linear_compiles_for_sm90(rows: int) -> None:
+    bm, bn, bk = qlinear.block_shape(rows, 5120, 2048)
+    compile_for_sm90(qlinear._q8_linear_kernel, {"x": "*bf16", "codes": "*i8", "scales": "*fp16", "bias": "*fp16",
+                                                 "y": "*bf16"},
+                     dict(BIAS=rows == 32, BM=bm, BN=bn, BK=bk, INTERPRET=False), 4)
 
 
 @needs_backend
