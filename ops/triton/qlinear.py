@@ -5,13 +5,15 @@ dequantized in registers (d * q rounded to bf16: the values of the bf16 copy it 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.qweight import Q8Weight
 from ops.triton.checks import check_device, check_rows, interpreting
-from ops.triton.moe_gemm import _bf16, _mma
+from ops.triton.moe_gemm import _bf16, _mma, _mma_t
 
 
 @triton.jit
@@ -29,50 +31,87 @@ def _q8_tile(codes, scales, n, nmask, k, K, BK: tl.constexpr):
 
 
 @triton.jit
-def _q8_linear_kernel(x, x_stride, codes, scales, bias, y, y_stride, M, N, K, BIAS: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
-    # program (BN rows of W, BM rows of x)
+def _q8_linear_kernel(x, x_stride, codes, scales, bias, y, y_stride, M, N, K, k_split, BIAS: tl.constexpr,
+                      W_LEFT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    # program (BN rows of W, BM rows of x, a k_split-column part of K): its part of y, at y + part * M * y_stride
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.program_id(1) * BM + tl.arange(0, BM)
+    part = tl.program_id(2)
     nmask, mmask = n < N, m < M
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
     a_ptrs = x + m.to(tl.int64)[:, None] * x_stride + tl.arange(0, BK)[None, :]
-    for k in range(0, K, BK):
-        a = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0).to(tl.bfloat16)
-        acc = _mma(a, _bf16(_q8_tile(codes, scales, n, nmask, k, K, BK), INTERPRET), acc, INTERPRET)
-    if BIAS:
-        acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    out = y + m.to(tl.int64)[:, None] * y_stride + n[None, :]
+    if W_LEFT:  # the weights as the left operand (Hopper's wgmma from registers): warps split W's rows
+        acc_t = tl.zeros([BN, BM], dtype=tl.float32)
+        for k in range(part * k_split, (part + 1) * k_split, BK):
+            a = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0).to(tl.bfloat16)
+            acc_t = _mma_t(_bf16(_q8_tile(codes, scales, n, nmask, k, K, BK), INTERPRET), a, acc_t, INTERPRET)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k in range(part * k_split, (part + 1) * k_split, BK):
+            a = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0).to(tl.bfloat16)
+            acc = _mma(a, _bf16(_q8_tile(codes, scales, n, nmask, k, K, BK), INTERPRET), acc, INTERPRET)
+    if BIAS:  # added by the first part
+        acc += tl.where(part == 0, tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32), 0.0)[None, :]
+    out = y + (part * M + m).to(tl.int64)[:, None] * y_stride + n[None, :]
     tl.store(out, acc.to(y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-def block_shape(num_rows: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BM, BN, BK): x's rows a program (16 at least, tl.dot's least), W's rows (fewer where x has few rows, so that
-    a decode step's few rows still spread a matrix over many programs), columns a step (a divisor of K)."""
-    bm = min(max(16, triton.next_power_of_2(num_rows)), 64)
-    bn = 32 if num_rows <= 16 else 64
-    bk = next(b for b in (128, 64, 32) if k % b == 0)
-    return bm, bn, bk
+@dataclass(frozen=True)
+class Q8LinearConfig:
+    """x's rows a program (16 at least, tl.dot's least), W's rows, columns a step (a divisor of K), parts of K
+    (each a program's, summed after), warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    w_left: bool = False  # the weights as the left operand (block_n >= 64 for wgmma)
 
 
-def q8_linear(x: torch.Tensor, w: Q8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+SMS = 132  # an H100/H200's multiprocessors: a decode step's matrix is spread over about two programs each
+
+
+def default_config(num_rows: int, n: int, k: int) -> Q8LinearConfig:
+    """Up to 16 rows (a decode step's few): 32 rows of W a program, 256 columns a step 4 steps ahead (the loads in
+    flight a matrix read at the memory's rate needs); more rows: the weights as the left operand, 64 of W's rows a
+    program, so that no warp dequantizes another's weights. K split where W has too few rows to fill the machine."""
+    block_m = min(64, max(16, triton.next_power_of_2(num_rows)))
+    small = block_m == 16
+    block_n = 32 if small else 64
+    bk = next(b for b in ((256, 128, 64, 32) if small else (128, 64, 32)) if k % b == 0)
+    programs, splits = triton.cdiv(n, block_n) * triton.cdiv(num_rows, block_m), 1
+    while num_rows <= 64 and programs * splits < 2 * SMS and k % (2 * splits * bk) == 0 and k // (2 * splits) >= 2 * bk:
+        splits *= 2
+    return Q8LinearConfig(block_m, block_n, bk, splits, 4, 4 if small else 3, w_left=not small)
+
+
+def q8_linear(x: torch.Tensor, w: Q8Weight, bias: torch.Tensor | None = None,
+              config: Q8LinearConfig | None = None) -> torch.Tensor:
     """x `[..., K]` times W^T (+ bias) -> `[..., N]` in x's dtype; x and W on one CUDA device (or under the
-    interpreter)."""
+    interpreter). No host sync: a decode step's products are captured with it."""
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x: expected [..., {k}], got {tuple(x.shape)}")
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    check_rows("x", rows, (rows.shape[0], k), (torch.float32, torch.bfloat16, torch.float16), w.device)
+    num_rows = rows.shape[0]
+    check_rows("x", rows, (num_rows, k), (torch.float32, torch.bfloat16, torch.float16), w.device)
     check_device("scales", w.scales, w.device)
     if bias is not None:
         check_device("bias", bias, w.device)
-    y = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        bm, bn, bk = block_shape(rows.shape[0], n, k)
-        _q8_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(rows.shape[0], bm))](
+    c = config or default_config(num_rows, n, k)
+    if k % (c.splits * c.block_k):
+        raise ValueError(f"{c}: K {k} is not whole steps of every part")
+    y = torch.empty((c.splits * num_rows, n), dtype=x.dtype if c.splits == 1 else torch.float32, device=x.device)
+    if num_rows:
+        _q8_linear_kernel[(triton.cdiv(n, c.block_n), triton.cdiv(num_rows, c.block_m), c.splits)](
             rows, rows.stride(0), w.codes, w.scales, bias if bias is not None else w.scales, y, y.stride(0),
-            rows.shape[0], n, k, BIAS=bias is not None, BM=bm, BN=bn, BK=bk, INTERPRET=interpreting(),
-            num_warps=4)
+            num_rows, n, k, k // c.splits, BIAS=bias is not None, W_LEFT=c.w_left, BM=c.block_m, BN=c.block_n,
+            BK=c.block_k, INTERPRET=interpreting(), num_warps=c.num_warps, num_stages=c.num_stages)
+    if c.splits > 1:  # the parts' sum, in part order (deterministic)
+        y = y.view(c.splits, num_rows, n).sum(0).to(x.dtype)
     return y.view(*x.shape[:-1], n)

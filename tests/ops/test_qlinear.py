@@ -58,6 +58,15 @@ def test_linear_off_cuda_is_the_dequantized_product() -> None:
     torch.testing.assert_close(linear(x, dense), x @ dense.T)
 
 
+def test_a_decode_step_splits_k_where_w_has_few_rows() -> None:
+    from ops.triton.qlinear import default_config
+
+    assert default_config(1, 2048, 4096).splits > 1  # an o projection: 64 programs of 32 rows
+    assert default_config(1, 151936, 2048).splits == 1  # the output matrix: thousands
+    assert default_config(512, 2048, 4096).splits == 1  # a prompt: enough tiles of x
+    assert default_config(3, 40, 1024).splits == 2  # the interpreter's case below
+
+
 def run_case(rows: int, n: int, k: int, bias: bool, dtype: torch.dtype, device: torch.device, seed: int) -> float:
     generator = torch.Generator(device=device).manual_seed(seed)
     w = Q8Weight.from_gguf(random_q8(n, k, generator), (n, k), device)
@@ -74,9 +83,9 @@ def run_case(rows: int, n: int, k: int, bias: bool, dtype: torch.dtype, device: 
 
 
 # rows: a decode step's few and a prompt's many (tiles of 16 and 64, a partial one); n not a multiple of the tile; k
-# with 32-, 64- and 128-column steps
+# with 32- to 256-column steps, and split in parts
 CASES = [(1, 48, 96, False, torch.bfloat16), (5, 40, 128, True, torch.bfloat16), (17, 72, 64, False, torch.float32),
-         (70, 36, 256, True, torch.bfloat16)]
+         (70, 36, 256, True, torch.bfloat16), (3, 40, 1024, True, torch.bfloat16)]  # the last in two parts of K
 
 
 @pytest.mark.gpu

@@ -94,10 +94,11 @@ def test_moe_gemm_compiles_for_sm90(variant: tuple[QType, str, bool, int]) -> No
 @needs_backend
 @pytest.mark.parametrize("rows", [1, 32, 512])
 def test_q8_linear_compiles_for_sm90(rows: int) -> None:
-    bm, bn, bk = qlinear.block_shape(rows, 5120, 2048)
+    c = qlinear.default_config(rows, 5120, 2048)
     compile_for_sm90(qlinear._q8_linear_kernel, {"x": "*bf16", "codes": "*i8", "scales": "*fp16", "bias": "*fp16",
                                                  "y": "*bf16"},
-                     dict(BIAS=rows == 32, BM=bm, BN=bn, BK=bk, INTERPRET=False), 4)
+                     dict(BIAS=rows == 32, W_LEFT=c.w_left, BM=c.block_m, BN=c.block_n, BK=c.block_k,
+                          INTERPRET=False), c.num_warps)
 
 
 @needs_backend
