@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ops import quants
-from ops.qweight import Q8Weight
 from ops.quants import QType
+from ops.qweight import Q8Weight
 from ops.triton.qlinear import Q8LinearConfig, default_config, q8_linear
 
 CUDA = torch.device("cuda")
@@ -61,9 +61,9 @@ def main(repeats: int) -> None:
             if name == "output" and rows > 32:
                 continue
             x = torch.randn(rows, k, device=CUDA, generator=generator).bfloat16()
-            base = graph_us([lambda w=w: F.linear(x, w) for w in bf16], repeats)
-            ours = graph_us([lambda w=w: q8_linear(x, w) for w in q8], repeats)
-            others = [graph_us([lambda w=w, c=c: q8_linear(x, w, config=c) for w in q8], repeats) for c in extra]
+            base = graph_us([lambda w=w, x=x: F.linear(x, w) for w in bf16], repeats)
+            ours = graph_us([lambda w=w, x=x: q8_linear(x, w) for w in q8], repeats)
+            others = [graph_us([lambda w=w, c=c, x=x: q8_linear(x, w, config=c) for w in q8], repeats) for c in extra]
             error = ((q8_linear(x, q8[0]).float() - F.linear(x, bf16[0]).float()).norm()
                      / F.linear(x, bf16[0]).float().norm()).item()
             print(f"{name:<14} {rows:>5} {base:>8.1f} {ours:>8.1f} {ours / base:>8.2f} "
