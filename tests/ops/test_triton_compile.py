@@ -151,8 +151,10 @@ def test_the_decode_loops_do_not_spill_more_than_they_do(qtype: QType) -> None:
 @needs_backend
 def test_the_prefill_loops_multiply_on_tensor_cores_without_spilling() -> None:
     """The prefill GEMMs' K loops (`tools.sass_loops`' PREFILL counts, Q4_K_M's gate/up format): tensor-core
-    multiplies (HMMA), the weights loaded in the loop, no spilled registers read back."""
+    multiplies (mma.sync's HMMA, or wgmma's HGMMA where the weights are the left operand), the weights loaded in
+    the loop (LDG, or LDGSTS: copies into shared memory a few steps ahead), no spilled registers read back."""
     if not os.path.exists(NVDISASM):
         pytest.skip(f"no nvdisasm beside Triton's ptxas ({NVDISASM})")
     for loop in weight_loops(QType.Q4_K, prefill=True):
-        assert loop.kinds["HMMA"] > 0 and loop.kinds["LDG"] > 0 and loop.local_loads == 0, str(loop)
+        multiplies, loads = loop.kinds["HMMA"] + loop.kinds["HGMMA"], loop.kinds["LDG"] + loop.kinds["LDGSTS"]
+        assert multiplies > 0 and loads > 0 and loop.local_loads == 0, str(loop)
