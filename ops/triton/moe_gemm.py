@@ -192,8 +192,9 @@ def _mma_t(w, a, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _k4_super(acc, a_ptrs, rmask, base, blk, W_LEFT: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc `[BM, BN]` + the activations `[BM, 256]` at a_ptrs (bf16 pointers `[BM, 32]` to the super-block's first
-    32 columns) times a Q4_K super-block of the rows (blk: its byte offsets `[BN]`)."""
+    """acc + the activations `[BM, 256]` at a_ptrs (bf16 pointers `[BM, 32]` to the super-block's first 32 columns)
+    times a Q4_K super-block of the rows (blk: its byte offsets `[BN]`): acc `[BN, BM]` with the weights as the
+    left operand (W_LEFT), else `[BM, BN]`."""
     words = (base + blk).to(tl.pointer_type(tl.int32), bitcast=True)
     head, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
     pairs = (base + blk[:, None] + 16).to(tl.pointer_type(tl.int16), bitcast=True) + tl.arange(0, 16)[None, :]
@@ -204,7 +205,8 @@ def _k4_super(acc, a_ptrs, rmask, base, blk, W_LEFT: tl.constexpr, INTERPRET: tl
         sc_lo, mn_lo = _k4_scales(w1, w2, w3, 2 * j)
         sc_hi, mn_hi = _k4_scales(w1, w2, w3, 2 * j + 1)
         # a byte in mantissa bits 15-22 of 1.0: the low nibble v as the float 1 + v / 256, the high one as
-        # 1 + v / 16, so that w = 256 s (1 + v / 256) - (256 s + m) is one FMA (its product exact)
+        # 1 + v / 16, so that w = 256 s (1 + v / 256) - (256 s + m) is one FMA (its product exact; the constant's
+        # rounding moves w by at most 2**-16 s, far under the bf16 rounding w takes next)
         t0, t1 = v << 15, v << 7  # the pair's first byte, its second
         lo = tl.reshape(tl.join(t0 & 0x78000, t1 & 0x78000), [v.shape[0], 32]) | 0x3F800000
         hi = tl.reshape(tl.join(t0 & 0x780000, t1 & 0x780000), [v.shape[0], 32]) | 0x3F800000
