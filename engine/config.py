@@ -58,10 +58,11 @@ class ModelConfig:
     cache_type_v: str | None = field(default=None, metadata={  # None: kv_cache_dtype
         "flag": ("-ctv", "--cache-type-v"), "choices": tuple(KV_CACHE_TYPES),
         "help": "V cache type (default: --kv-cache-dtype)"})
-    dense_weights: str = field(default="auto", metadata={  # auto: q8_0 on cuda, dtype elsewhere
+    dense_weights: str = field(default="auto", metadata={  # auto: the output matrix as q8_0 on cuda
         "flag": "--dense-weights", "choices": DENSE_WEIGHTS, "help": "dense matrices (attention, dense and shared "
-        "FFNs, output): q8_0 keeps those the file holds as Q8_0 so (half the bytes a decode step reads), dtype "
-        "dequantizes every one to --dtype (default auto: q8_0 on cuda)"})
+        "FFNs, output): q8_0 keeps those the file holds as Q8_0 so (half the bytes), dtype dequantizes every one "
+        "to --dtype, auto keeps the output matrix as Q8_0 on cuda (its kernel reads it faster than the bf16 "
+        "copy; the smaller matrices are faster in bf16)"})
     cuda_graphs: bool = True  # decode steps as CUDA graphs where no host sync is needed
 
     def __post_init__(self) -> None:

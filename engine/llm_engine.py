@@ -86,8 +86,8 @@ class LLMEngine:
                            *config.model.kv_types)
         self.device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, self.device)
-        keep_q8 = config.model.dense_weights == "q8_0" or (config.model.dense_weights == "auto"
-                                                            and self.device.type == "cuda")
+        dense = config.model.dense_weights
+        keep_q8 = "all" if dense == "q8_0" else "output" if dense == "auto" and self.device.type == "cuda" else "none"
         self.weights = load_weights(self.gguf, self.device, dtype, _bytes_progress(progress, self.gguf), keep_q8)
         hp = self.weights.hparams
         max_len = min(config.model.max_context, hp.context_length)

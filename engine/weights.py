@@ -89,8 +89,9 @@ def host_bytes(info: TensorInfo) -> torch.Tensor:
 
 class WeightLoader:
     def __init__(self, gguf: GGUFFile, device: torch.device, dtype: torch.dtype,
-                 progress: Callable[[int], None] | None = None, keep_q8: bool = False) -> None:
-        self.gguf, self.device, self.dtype, self.progress, self.keep_q8 = gguf, device, dtype, progress, keep_q8
+                 progress: Callable[[int], None] | None = None, keep_q8: str = "none") -> None:
+        self.gguf, self.device, self.dtype, self.progress = gguf, device, dtype, progress
+        self.keep_q8 = keep_q8  # none | output | all: the Q8_0 matrices `matrix` keeps as Q8_0
         self.arch = get_arch(gguf.architecture)
         vocab = gguf.get("tokenizer.ggml.tokens")
         embed = gguf.tensor(GLOBAL_TENSORS["embed"])
@@ -114,9 +115,10 @@ class WeightLoader:
         values = dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape)
         return values.to(self.device, dtype or self.dtype)
 
-    def matrix(self, *parts: tuple[str, tuple[int, int]]) -> Matrix:
+    def matrix(self, *parts: tuple[str, tuple[int, int]], keep: bool | None = None) -> Matrix:
+        """`keep`: as Q8_0 where the parts are (default: where the loader keeps every such matrix)."""
         infos = [self.tensor(name, shape) for name, shape in parts]
-        if self.keep_q8 and all(info.qtype == QType.Q8_0 for info in infos):
+        if (self.keep_q8 == "all" if keep is None else keep) and all(info.qtype == QType.Q8_0 for info in infos):
             return Q8Weight.stack([Q8Weight.from_gguf(host_bytes(info), shape, self.device)
                                    for info, (_, shape) in zip(infos, parts, strict=True)])
         return torch.cat([dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape)
@@ -135,7 +137,8 @@ class WeightLoader:
     def load(self) -> ModelWeights:
         hp, g = self.hp, GLOBAL_TENSORS
         embed = self.dense(g["embed"], (hp.vocab_size, hp.hidden))
-        output = self.matrix((g["output"], (hp.vocab_size, hp.hidden))) if self.has(g["output"]) else None
+        output = self.matrix((g["output"], (hp.vocab_size, hp.hidden)), keep=self.keep_q8 != "none") \
+            if self.has(g["output"]) else None
         layers = tuple(self.layer(i) for i in range(hp.num_layers))
         norm = self.dense(g["norm"], (hp.hidden,))
         factors = self.optional(g["rope_freqs"], (hp.rope_dim // 2,), torch.float32)
@@ -211,8 +214,9 @@ class WeightLoader:
 
 
 def load_weights(gguf: GGUFFile, device: torch.device, dtype: torch.dtype,
-                 progress: Callable[[int], None] | None = None, keep_q8: bool = False) -> ModelWeights:
-    """`keep_q8`: the Q8_0 matrices that are only multiplied by stay Q8_0 (`WeightLoader.matrix`)."""
+                 progress: Callable[[int], None] | None = None, keep_q8: str = "none") -> ModelWeights:
+    """`keep_q8`: which Q8_0 matrices that are only multiplied by stay Q8_0 (`WeightLoader.matrix`): none, the
+    output's, all."""
     try:
         return WeightLoader(gguf, device, dtype, progress, keep_q8).load()
     except ValueError as exc:

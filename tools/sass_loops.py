@@ -128,9 +128,9 @@ def prefill_kernels(qtype: QType) -> list[tuple[str, str, int]]:
     up_super, down_super = moe_gemm.whole_super_blocks(qtype, hidden), moe_gemm.whole_super_blocks(qtype, ff)
     tiles = dict(BM=32, BN=config.block_n, E_POW2=128, INTERPRET=False)
     gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), ACT=ACTIVATIONS[activation], GATE_BIAS=biases,
-                   UP_BIAS=biases, SUPER=moe_gemm.WHOLE_SUPER_BLOCKS * up_super,
+                   UP_BIAS=biases, SUPER=up_super,
                    BK=32 if up_super else config.block_k, **tiles)
-    down = dict(BIAS=biases, DOWN_FMT=int(qtype), SUPER=moe_gemm.WHOLE_SUPER_BLOCKS * down_super,
+    down = dict(BIAS=biases, DOWN_FMT=int(qtype), SUPER=down_super,
                 BK=32 if down_super else config.block_k, **tiles)
 
     def weights(whole: bool) -> int:  # a thread reads a step: a super-block's 256 columns, or block_k

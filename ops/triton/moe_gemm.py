@@ -42,8 +42,9 @@ from ops.triton.qdot import KERNEL_TYPES, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _
 
 GROUP = 16  # weights sharing one scale, in every format of KERNEL_TYPES
 SUM_COLS = 256  # columns per program of the per-token sum
-# Q4_K by whole super-blocks: 2 with the weights as the left operand, 1 as the right one, 0 not (by groups of 16)
-WHOLE_SUPER_BLOCKS = int(os.environ.get("MOECACHE_PREFILL_SUPER", "2"))
+# Q4_K by whole super-blocks (`_k4_super`), 0: by groups of 16 as the other formats (H100, one Q4_K layer at 512 /
+# 2048 tokens: 0.99 / 1.89 ms against 2.26 / 5.63)
+WHOLE_SUPER_BLOCKS = os.environ.get("MOECACHE_PREFILL_SUPER", "1") != "0"
 
 
 def covers(bank: ExpertWeights) -> bool:
@@ -191,10 +192,10 @@ def _mma_t(w, a, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _k4_super(acc, a_ptrs, rmask, base, blk, W_LEFT: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + the activations `[BM, 256]` at a_ptrs (bf16 pointers `[BM, 32]` to the super-block's first 32 columns)
-    times a Q4_K super-block of the rows (blk: its byte offsets `[BN]`): acc `[BN, BM]` with the weights as the
-    left operand (W_LEFT), else `[BM, BN]`."""
+def _k4_super(acc, a_ptrs, rmask, base, blk, INTERPRET: tl.constexpr):
+    """acc `[BN, BM]` + a Q4_K super-block of the rows (blk: its byte offsets `[BN]`) times the activations `[BM,
+    256]` at a_ptrs (bf16 pointers `[BM, 32]` to the super-block's first 32 columns): the weights are the left
+    operand (on sm90 wgmma, its A operand in registers: no warp dequantizes another's weights)."""
     words = (base + blk).to(tl.pointer_type(tl.int32), bitcast=True)
     head, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
     pairs = (base + blk[:, None] + 16).to(tl.pointer_type(tl.int16), bitcast=True) + tl.arange(0, 16)[None, :]
@@ -216,12 +217,8 @@ def _k4_super(acc, a_ptrs, rmask, base, blk, W_LEFT: tl.constexpr, INTERPRET: tl
         hi = hi * s_hi[:, None] - (s_hi + dmin * mn_hi)[:, None]
         a_lo = tl.load(a_ptrs + 64 * j, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
         a_hi = tl.load(a_ptrs + 64 * j + 32, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
-        if W_LEFT:
-            acc = _mma_t(_bf16(lo, INTERPRET), a_lo, acc, INTERPRET)
-            acc = _mma_t(_bf16(hi, INTERPRET), a_hi, acc, INTERPRET)
-        else:
-            acc = _mma(a_lo, _bf16(lo, INTERPRET), acc, INTERPRET)
-            acc = _mma(a_hi, _bf16(hi, INTERPRET), acc, INTERPRET)
+        acc = _mma_t(_bf16(lo, INTERPRET), a_lo, acc, INTERPRET)
+        acc = _mma_t(_bf16(hi, INTERPRET), a_hi, acc, INTERPRET)
     return acc
 
 
@@ -263,18 +260,14 @@ def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts,
     u_base, u_rows = up + e * up_estride, (n * up_row)[:, None, None]
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    if SUPER == 2:  # the weights as the left operand: accumulators `[BN, BM]`
+    if SUPER:  # the weights as the left operand: accumulators `[BN, BM]`
         acc_gt = tl.zeros([BN, BM], dtype=tl.float32)
         acc_ut = tl.zeros([BN, BM], dtype=tl.float32)
         for kb in range(0, hidden // 256):
-            acc_gt = _k4_super(acc_gt, a_ptrs + 256 * kb, rmask, g_base, n * gate_row + 144 * kb, True, INTERPRET)
-            acc_ut = _k4_super(acc_ut, a_ptrs + 256 * kb, rmask, u_base, n * up_row + 144 * kb, True, INTERPRET)
+            acc_gt = _k4_super(acc_gt, a_ptrs + 256 * kb, rmask, g_base, n * gate_row + 144 * kb, INTERPRET)
+            acc_ut = _k4_super(acc_ut, a_ptrs + 256 * kb, rmask, u_base, n * up_row + 144 * kb, INTERPRET)
         acc_g = tl.trans(acc_gt)
         acc_u = tl.trans(acc_ut)
-    elif SUPER == 1:
-        for kb in range(0, hidden // 256):
-            acc_g = _k4_super(acc_g, a_ptrs + 256 * kb, rmask, g_base, n * gate_row + 144 * kb, False, INTERPRET)
-            acc_u = _k4_super(acc_u, a_ptrs + 256 * kb, rmask, u_base, n * up_row + 144 * kb, False, INTERPRET)
     else:
         for k in range(0, hidden, BK):
             a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
@@ -302,14 +295,11 @@ def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down, down_est
     e = expert.to(tl.int64)
     d_base, d_rows = down + e * down_estride, (n * down_row)[:, None, None]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if SUPER == 2:
+    if SUPER:
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
         for kb in range(0, ff // 256):
-            acc_t = _k4_super(acc_t, a_ptrs + 256 * kb, rmask, d_base, n * down_row + 144 * kb, True, INTERPRET)
+            acc_t = _k4_super(acc_t, a_ptrs + 256 * kb, rmask, d_base, n * down_row + 144 * kb, INTERPRET)
         acc = tl.trans(acc_t)
-    elif SUPER == 1:
-        for kb in range(0, ff // 256):
-            acc = _k4_super(acc, a_ptrs + 256 * kb, rmask, d_base, n * down_row + 144 * kb, False, INTERPRET)
     else:
         for k in range(0, ff, BK):
             a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0)
@@ -390,7 +380,7 @@ def _launch_gate_up(x: torch.Tensor, token_ids: torch.Tensor, order: torch.Tenso
         bank.gate.stride(1), bank.up, bank.up.stride(0), bank.up.stride(1), biases[0], biases[1],
         math.alpha, math.limit, h, bank.hidden, bank.ff, GATE_FMT=int(bank.gate_type), UP_FMT=int(bank.up_type),
         ACT=ACTIVATIONS[math.activation], GATE_BIAS=math.gate_bias is not None,
-        UP_BIAS=math.up_bias is not None, SUPER=WHOLE_SUPER_BLOCKS if whole else 0, BM=block_m, BN=block_n,
+        UP_BIAS=math.up_bias is not None, SUPER=whole, BM=block_m, BN=block_n,
         BK=block_k,
         E_POW2=triton.next_power_of_2(bank.num_experts), INTERPRET=interpreting(), num_warps=config.num_warps,
         num_stages=config.num_stages)
@@ -405,7 +395,7 @@ def _launch_down(h: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, en
     _down_kernel[(bank.hidden // block_n, grid_tiles)](
         h, order, weights, ends, tile_ends, bank.num_experts, bank.down, bank.down.stride(0), bank.down.stride(1),
         bias, y, bank.hidden, bank.ff, BIAS=bank.math.down_bias is not None, DOWN_FMT=int(bank.down_type),
-        SUPER=WHOLE_SUPER_BLOCKS if whole else 0, BM=block_m, BN=block_n, BK=block_k,
+        SUPER=whole, BM=block_m, BN=block_n, BK=block_k,
         E_POW2=triton.next_power_of_2(bank.num_experts),
         INTERPRET=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -413,7 +403,7 @@ def _launch_down(h: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, en
 def whole_super_blocks(qtype: QType, cols: int) -> bool:
     """Whether rows of `qtype` and `cols` run by whole super-blocks (`_k4_super`: scales once per row and
     sub-block, 32 bytes of codes a load) rather than by groups of 16 (`_weight_tile`)."""
-    return qtype == QType.Q4_K and cols % 256 == 0 and WHOLE_SUPER_BLOCKS > 0
+    return qtype == QType.Q4_K and cols % 256 == 0 and WHOLE_SUPER_BLOCKS
 
 
 def _fit(block: int, size: int) -> int:
