@@ -111,9 +111,11 @@ class WeightLoader:
         return info
 
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        info = self.tensor(name, shape)
-        values = dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape)
-        return values.to(self.device, dtype or self.dtype)
+        return self._values(self.tensor(name, shape), shape, dtype or self.dtype)
+
+    def _values(self, info: TensorInfo, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor dequantized to `dtype` on the device."""
+        return dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape).to(self.device, dtype)
 
     def matrix(self, *parts: tuple[str, tuple[int, int]], keep: bool | None = None) -> Matrix:
         """`keep`: as Q8_0 where the parts are (default: where the loader keeps every such matrix)."""
@@ -121,8 +123,7 @@ class WeightLoader:
         if (self.keep_q8 == "all" if keep is None else keep) and all(info.qtype == QType.Q8_0 for info in infos):
             return Q8Weight.stack([Q8Weight.from_gguf(host_bytes(info), shape, self.device)
                                    for info, (_, shape) in zip(infos, parts, strict=True)])
-        return torch.cat([dequantize(host_bytes(info), info.qtype, info.num_cols).reshape(shape)
-                          .to(self.device, self.dtype) for info, (_, shape) in zip(infos, parts, strict=True)])
+        return torch.cat([self._values(info, shape, self.dtype) for info, (_, shape) in zip(infos, parts, strict=True)])
 
     def optional(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return self.dense(name, shape, dtype) if self.gguf.has(name) else None

@@ -172,7 +172,9 @@ def _mma(a, w, acc, INTERPRET: tl.constexpr):
 def _k4_scales(w1, w2, w3, S: tl.constexpr):
     """The 6-bit scale and min of sub-block S (float32 `[BN]`) from a Q4_K super-block's words 1-3 (the 12 scale
     bytes b; word 0 is fp16 d | dmin << 16): S < 4: b[S] & 63, b[S + 4] & 63; else (b[S + 4] & 15) | (b[S - 4] >> 6)
-    << 4, (b[S + 4] >> 4) | (b[S] >> 6) << 4."""
+    << 4, (b[S + 4] >> 4) | (b[S] >> 6) << 4. NOTE: `qdot._kquant_scales` unpacks the same fields for the decode
+    kernels; through it this loop counts 7.3 instructions a weight for sm90, not 7.0 (its float conversion of the
+    fields is two instructions, here one), and the timed kernel is this one."""
     shift: tl.constexpr = 8 * (S % 4)
     if S < 4:
         sc = (w1 >> shift) & 63
@@ -258,8 +260,6 @@ def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts,
     e = expert.to(tl.int64)
     g_base, g_rows = gate + e * gate_estride, (n * gate_row)[:, None, None]
     u_base, u_rows = up + e * up_estride, (n * up_row)[:, None, None]
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     if SUPER:  # the weights as the left operand: accumulators `[BN, BM]`
         acc_gt = tl.zeros([BN, BM], dtype=tl.float32)
         acc_ut = tl.zeros([BN, BM], dtype=tl.float32)
@@ -269,6 +269,8 @@ def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts,
         acc_g = tl.trans(acc_gt)
         acc_u = tl.trans(acc_ut)
     else:
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k in range(0, hidden, BK):
             a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
             acc_g = _mma(a, _weight_tile(g_base, g_rows, k, BN, BK, GATE_FMT, INTERPRET), acc_g, INTERPRET)
@@ -294,13 +296,13 @@ def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down, down_est
     n = tl.program_id(0) * BN + tl.arange(0, BN)  # rows of down: output columns
     e = expert.to(tl.int64)
     d_base, d_rows = down + e * down_estride, (n * down_row)[:, None, None]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
     if SUPER:
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
         for kb in range(0, ff // 256):
             acc_t = _k4_super(acc_t, a_ptrs + 256 * kb, rmask, d_base, n * down_row + 144 * kb, INTERPRET)
         acc = tl.trans(acc_t)
     else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k in range(0, ff, BK):
             a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0)
             acc = _mma(a, _weight_tile(d_base, d_rows, k, BN, BK, DOWN_FMT, INTERPRET), acc, INTERPRET)

@@ -12,7 +12,7 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.qweight import Q8Weight
-from ops.triton.checks import check_device, check_rows, interpreting
+from ops.triton.checks import FLOAT_DTYPES, check_device, check_rows, interpreting
 from ops.triton.moe_gemm import _bf16, _mma, _mma_t
 
 
@@ -99,7 +99,7 @@ def q8_linear(x: torch.Tensor, w: Q8Weight, bias: torch.Tensor | None = None,
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     num_rows = rows.shape[0]
-    check_rows("x", rows, (num_rows, k), (torch.float32, torch.bfloat16, torch.float16), w.device)
+    check_rows("x", rows, (num_rows, k), FLOAT_DTYPES, w.device)
     check_device("scales", w.scales, w.device)
     if bias is not None:
         check_device("bias", bias, w.device)
