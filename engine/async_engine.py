@@ -38,7 +38,19 @@ CACHE_PUBLISH_S = 0.1  # the cache's figures and usage map, copied at most this 
 # from the event loop, which may be in the middle of the last step's outputs (text, SSE or protobuf, writes). Python
 # hands the GIL over to a waiting thread only after its switch interval (5 ms by default): up to half a decode step
 # of 8 sequences, the device idle. A shorter interval bounds that wait; MOECACHE_GIL_SWITCH_MS overrides it.
-GIL_SWITCH_S = float(os.environ.get("MOECACHE_GIL_SWITCH_MS", "0.5")) / 1e3
+
+
+def _gil_switch_s(value: str) -> float:
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        milliseconds = 0.0
+    if not milliseconds > 0:
+        raise ValueError(f"MOECACHE_GIL_SWITCH_MS: expected milliseconds > 0, got {value!r}")
+    return milliseconds / 1e3
+
+
+GIL_SWITCH_S = _gil_switch_s(os.environ.get("MOECACHE_GIL_SWITCH_MS", "0.5"))
 
 
 class EngineUnavailableError(RuntimeError):

@@ -325,3 +325,12 @@ def test_outputs_before_an_error_are_kept_and_the_error_comes_last() -> None:
     merged = coalesce([RequestOutput("r", (1,), "a"), RequestOutput("r", (2,), "b"), error,
                        RequestOutput("r", (3,), "c")])
     assert merged == [RequestOutput("r", (1, 2), "ab"), error]
+
+
+def test_a_bad_gil_switch_interval_is_named() -> None:
+    from engine.async_engine import _gil_switch_s
+
+    assert _gil_switch_s("0.5") == 0.0005
+    for bad in ("abc", "0", "-1", "nan"):
+        with pytest.raises(ValueError, match="MOECACHE_GIL_SWITCH_MS"):
+            _gil_switch_s(bad)
