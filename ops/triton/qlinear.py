@@ -1,6 +1,8 @@
 """Dense projections read as Q8_0 on the GPU: y = x W^T (+ b), W a `ops.qweight.Q8Weight` (int8 codes `[N, K]`, a
 scale per 32). A program multiplies `BM` rows of x by `BN` rows of W on the tensor cores, each weight tile
 dequantized in registers (d * q rounded to bf16: the values of the bf16 copy it replaces), float32 accumulation.
+Where K is split over programs (a decode step's few rows), each part is stored in float32 and the tile's last part to
+arrive (an atomic count) adds them in part order and writes y: one launch, deterministic, no sum after it.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ def _q8_tile(codes, scales, n, nmask, k, K, BK: tl.constexpr):
 
 
 @triton.jit
-def _q8_linear_kernel(x, x_stride, codes, scales, bias, y, y_stride, M, N, K, k_split, BIAS: tl.constexpr,
-                      W_LEFT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      INTERPRET: tl.constexpr):
-    # program (BN rows of W, BM rows of x, a k_split-column part of K): its part of y, at y + part * M * y_stride
+def _q8_linear_kernel(x, x_stride, codes, scales, bias, y, y_stride, work, arrived, M, N, K, k_split, splits,
+                      BIAS: tl.constexpr, W_LEFT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    # program (BN rows of W, BM rows of x, a k_split-column part of K): y's tile, or with SPLIT its part of it
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     part = tl.program_id(2)
@@ -51,16 +53,30 @@ def _q8_linear_kernel(x, x_stride, codes, scales, bias, y, y_stride, M, N, K, k_
         for k in range(part * k_split, (part + 1) * k_split, BK):
             a = tl.load(a_ptrs + k, mask=mmask[:, None], other=0.0).to(tl.bfloat16)
             acc = _mma(a, _bf16(_q8_tile(codes, scales, n, nmask, k, K, BK), INTERPRET), acc, INTERPRET)
-    if BIAS:  # added by the first part
-        acc += tl.where(part == 0, tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32), 0.0)[None, :]
-    out = y + (part * M + m).to(tl.int64)[:, None] * y_stride + n[None, :]
-    tl.store(out, acc.to(y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    tile = mmask[:, None] & nmask[None, :]
+    if SPLIT:  # the parts in float32; the tile's last part to arrive sums them in part order and writes y
+        parts = work + m.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(parts + part * M * N, acc, mask=tile)
+        tl.debug_barrier()  # every thread's part is stored before the program arrives
+        counter = arrived + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1
+        if last:
+            acc = tl.load(parts, mask=tile, other=0.0, cache_modifier=".cg")
+            for p in range(1, splits):
+                acc += tl.load(parts + p * M * N, mask=tile, other=0.0, cache_modifier=".cg")
+            tl.store(counter, 0)  # for the next product (a graph replays the same counters)
+    else:
+        last = True
+    if last:
+        if BIAS:
+            acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + m.to(tl.int64)[:, None] * y_stride + n[None, :], acc.to(y.dtype.element_ty), mask=tile)
 
 
 @dataclass(frozen=True)
 class Q8LinearConfig:
     """x's rows a program (16 at least, tl.dot's least), W's rows, columns a step (a divisor of K), parts of K
-    (each a program's, summed after), warps and pipeline stages."""
+    (each a program's, added by the tile's last to finish), warps and pipeline stages."""
 
     block_m: int
     block_n: int
@@ -106,12 +122,31 @@ def q8_linear(x: torch.Tensor, w: Q8Weight, bias: torch.Tensor | None = None,
     c = config or default_config(num_rows, n, k)
     if k % (c.splits * c.block_k):
         raise ValueError(f"{c}: K {k} is not whole steps of every part")
-    y = torch.empty((c.splits * num_rows, n), dtype=x.dtype if c.splits == 1 else torch.float32, device=x.device)
+    y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, c.block_n), triton.cdiv(num_rows, c.block_m), c.splits)
+    work, arrived = y, y
+    if c.splits > 1:
+        work = torch.empty((c.splits, num_rows, n), dtype=torch.float32, device=x.device)
+        arrived = _arrival_counters(x.device, grid[0] * grid[1])
     if num_rows:
-        _q8_linear_kernel[(triton.cdiv(n, c.block_n), triton.cdiv(num_rows, c.block_m), c.splits)](
-            rows, rows.stride(0), w.codes, w.scales, bias if bias is not None else w.scales, y, y.stride(0),
-            num_rows, n, k, k // c.splits, BIAS=bias is not None, W_LEFT=c.w_left, BM=c.block_m, BN=c.block_n,
-            BK=c.block_k, INTERPRET=interpreting(), num_warps=c.num_warps, num_stages=c.num_stages)
-    if c.splits > 1:  # the parts' sum, in part order (deterministic)
-        y = y.view(c.splits, num_rows, n).sum(0).to(x.dtype)
+        _q8_linear_kernel[grid](
+            rows, rows.stride(0), w.codes, w.scales, bias if bias is not None else w.scales, y, y.stride(0), work,
+            arrived, num_rows, n, k, k // c.splits, c.splits, BIAS=bias is not None, W_LEFT=c.w_left,
+            SPLIT=c.splits > 1, BM=c.block_m, BN=c.block_n, BK=c.block_k, INTERPRET=interpreting(),
+            num_warps=c.num_warps, num_stages=c.num_stages)
     return y.view(*x.shape[:-1], n)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one a tile of a split product, kept per device (each product leaves them zero).
+    NOTE: products on one stream only (they share the counters), and made before a graph captures any: a warm-up
+    step allocates them."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("q8_linear: a split product's counters are made outside a graph capture (warm up first)")
+        counters = _COUNTERS[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return counters

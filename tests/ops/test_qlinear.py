@@ -64,7 +64,8 @@ def test_a_decode_step_splits_k_where_w_has_few_rows() -> None:
     assert default_config(1, 2048, 4096).splits > 1  # an o projection: 64 programs of 32 rows
     assert default_config(1, 151936, 2048).splits == 1  # the output matrix: thousands
     assert default_config(512, 2048, 4096).splits == 1  # a prompt: enough tiles of x
-    assert default_config(3, 40, 1024).splits == 2  # the interpreter's case below
+    assert default_config(3, 40, 1024).splits == 2  # the interpreter's cases below
+    assert default_config(2, 100, 4096).splits == 8
 
 
 def run_case(rows: int, n: int, k: int, bias: bool, dtype: torch.dtype, device: torch.device, seed: int) -> float:
@@ -97,9 +98,32 @@ def test_kernel_on_qwen3_shapes(rows: int, shape: tuple[int, int]) -> None:
     run_case(rows, *shape, False, torch.bfloat16, torch.device("cuda"), rows)
 
 
+def split_products_repeat(device: torch.device, seed: int) -> float:
+    """A product split in 8 parts of K over 4 tiles of W, twice: the same bits each time (the parts are added in part
+    order by the last to arrive), and the arrival counters left at zero for the next product."""
+    from ops.triton.qlinear import _COUNTERS, default_config
+
+    assert default_config(2, 100, 4096).splits == 8
+    error = run_case(2, 100, 4096, True, torch.bfloat16, device, seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    w = Q8Weight.from_gguf(random_q8(100, 4096, generator), (100, 4096), device)
+    x = torch.randn(2, 4096, generator=generator, device=device).to(torch.bfloat16)
+    first = linear(x, w)
+    assert torch.equal(linear(x, w), first)
+    assert int(_COUNTERS[device].abs().sum()) == 0
+    return error
+
+
+@pytest.mark.gpu
+def test_split_products_repeat_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    split_products_repeat(torch.device("cuda"), 3)
+
+
 CPU = torch.device("cpu")
 INTERPRETER_CHECKS = [(f"rows={c[0]} n={c[1]} k={c[2]} bias={c[3]} {c[4]}", lambda seed, c=c: run_case(*c, CPU, seed))
-                      for c in CASES]
+                      for c in CASES] + [("split in 8, twice", lambda seed: split_products_repeat(CPU, seed))]
 
 
 @needs_no_cuda

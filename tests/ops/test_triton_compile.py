@@ -95,9 +95,9 @@ def test_moe_gemm_compiles_for_sm90(variant: tuple[QType, str, bool, bool]) -> N
 def test_q8_linear_compiles_for_sm90(rows: int) -> None:
     c = qlinear.default_config(rows, 5120, 2048)
     compile_for_sm90(qlinear._q8_linear_kernel, {"x": "*bf16", "codes": "*i8", "scales": "*fp16", "bias": "*fp16",
-                                                 "y": "*bf16"},
-                     dict(BIAS=rows == 32, W_LEFT=c.w_left, BM=c.block_m, BN=c.block_n, BK=c.block_k,
-                          INTERPRET=False), c.num_warps)
+                                                 "y": "*bf16", "work": "*fp32", "arrived": "*i32"},
+                     dict(BIAS=rows == 32, W_LEFT=c.w_left, SPLIT=c.splits > 1, BM=c.block_m, BN=c.block_n,
+                          BK=c.block_k, INTERPRET=False), c.num_warps)
 
 
 @needs_backend
