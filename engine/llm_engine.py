@@ -322,7 +322,7 @@ class LLMEngine:
 
     def _make_runner(self) -> ModelRunner:
         return ModelRunner(self.model, self.kv, self.cache.dispatcher, self.scheduler.config.max_num_seqs,
-                           self.config.model.cuda_graphs)
+                           self.config.model.cuda_graphs, self.scheduler.config.max_num_batched_tokens)
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (a server at start-up): no request waits for a capture."""

@@ -18,6 +18,7 @@ from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
 from engine.weights import Attention, DenseFFN, ModelWeights, MoE
 from ops.fused import (
     add_rms_norm,
+    chunk_attention,
     decode_attention,
     linear,
     prefill_attention,
@@ -47,6 +48,7 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # rows whose logits are computed: each sequence's last token, or more on request
     kv_length: int  # decode attention reads this many positions of each slot (>= every position + 1)
     token_mask: torch.Tensor | None = None  # [tokens] bool; False rows (padding) route to no expert
+    fresh: bool = False  # one sequence's first chunk (start 0), padded rows after it: it attends over its own k, v
 
     @classmethod
     def build(cls, spans: list[SeqSpan], token_ids: list[list[int]], device: torch.device,
@@ -115,6 +117,12 @@ class Model:
     @property
     def dtype(self) -> torch.dtype:
         return self.w.embed.dtype
+
+    @property
+    def attends_chunks_alone(self) -> bool:
+        """Whether a prompt's first chunk may attend over its own keys and values (`ForwardBatch.fresh`): every layer's
+        attention plain (no shared KV layers, no latent cache) and its keys and values those the cache keeps."""
+        return all(isinstance(layer.attn, Attention) and layer.sandwich is None for layer in self.w.layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
@@ -204,7 +212,11 @@ class Model:
             v = a.split(qkv)[2]
         v = v.view(n, hp.num_kv_heads, hp.head_dim)
         kv.write(i, batch.slot_ids, batch.positions, k, v)
-        return linear(self.attend(i, q, batch, kv, a.sinks).reshape(n, -1), a.o, a.o_bias)
+        if batch.fresh:  # NOTE: the slot's keys are these (a captured chunk names no slot): read them as they are
+            out = chunk_attention(q, k, v, self.scale, self.hp.window(i), a.sinks)
+        else:
+            out = self.attend(i, q, batch, kv, a.sinks)
+        return linear(out.reshape(n, -1), a.o, a.o_bias)
 
     def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
                sinks: torch.Tensor | None) -> torch.Tensor:

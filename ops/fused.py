@@ -186,6 +186,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                   v_qtype=v_qtype)
 
 
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a sequence's first chunk over its own keys and values: q `[n, heads, head_dim]`, k and v
+    `[n, kv_heads, head_dim]` at positions 0..n-1 -> `[n, heads, head_dim]` (what `prefill_attention` gives at
+    start 0 from a cache holding k and v unquantized). Rows after a shorter sequence only see it and themselves."""
+    mask = causal_mask(torch.arange(q.shape[0], device=q.device), q.shape[0], window)
+    out = attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale, sinks)
+    return out[0].transpose(0, 1)
+
+
 def _fits_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_qtype: QType | None,
                            v_qtype: QType | None, max_head_dim: int = 256) -> bool:
     """The Triton kernels' shapes: one head size for q, k and v, a power of two in [16, max_head_dim] (the caches'

@@ -88,6 +88,17 @@ class ExpertDispatcher:
         """A decode step makes no host sync: it can be captured as a CUDA graph (never with layers on disk)."""
         return self.on_device and (self.cpu is None or self.cpu.rings) and self.tier is None
 
+    @property
+    def prompt_is_graph_safe(self) -> bool:
+        """A prompt's step makes no host sync either: every routed expert resident (a host layer's prompt stages its
+        experts), computed by kernels that size nothing on the host (the fused prefill GEMMs, `ops.triton.moe_gemm`,
+        for each bank's formats; or the decode kernels where the tensor cores do not take the prompt)."""
+        if not self.is_graph_safe or self.host:
+            return False
+        from ops.grouped_gemm import prefill_experts
+        from ops.triton.moe_gemm import covers
+        return prefill_experts() == "fused" and all(covers(bank) for bank in self.resident.values())
+
     # -- the host, before a step is launched ------------------------------------------------------------
     def prepare(self, changes: list[Change]) -> None:
         """The table changes and the previous step's landings for the next `begin_step` (pinned memory
@@ -123,9 +134,10 @@ class ExpertDispatcher:
             self.record.device[:self.pairs, 0, self.resident_rows] = ids
         self.record.copy_to_host(self.pairs)
 
-    def replayed(self, num_tokens: int, padded: int) -> None:
-        """A captured decode step of `padded` tokens ran for `num_tokens` of them."""
-        self.kind, self.num_tokens, self.pairs = StepKind.DECODE, num_tokens, padded * self.top_k
+    def replayed(self, num_tokens: int, padded: int, prefill: bool = False) -> None:
+        """A captured step of `padded` tokens (a decode step's, or a prompt's first chunk) ran for `num_tokens`."""
+        self.kind = StepKind.PREFILL if prefill else StepKind.DECODE
+        self.num_tokens, self.pairs = num_tokens, padded * self.top_k
 
     def take_record(self) -> StepRecord:
         """The finished step's record (after it synchronized); remembers its landings for the next step."""

@@ -275,6 +275,31 @@ def test_cuda_graph_steps_equal_eager_steps(small_moe_gguf: Path, cache: dict) -
         assert snap.hits() > 0 and snap.uploaded_bytes == 0  # landed misses hit in later captured steps
 
 
+def test_a_prompts_first_chunk_replays_a_graph_equal_to_eager(small_moe_gguf: Path) -> None:
+    """A 40-token prompt, every expert resident: its first chunk replays the 64-token chunk graph (padded; the
+    padding writes the scratch slot), and its logits and the decode steps that read its KV cache equal the eager
+    engine's; a server captures the chunk graphs with the decode ones."""
+    prompt = [(17 * i) % 200 + 1 for i in range(40)]
+    first: dict[bool, torch.Tensor] = {}
+    runs = {}
+    for graphs in (True, False):
+        engine = make_engine(small_moe_gguf, graphs)
+        engine.forward([SeqSpan(0, 0, 40)], [prompt], ["p"] * 40,
+                       lambda logits, graphs=graphs: first.update({graphs: logits.float().cpu()}))
+        runs[graphs] = engine
+    assert list(runs[True].runner.chunk_graphs) == [64] and not runs[False].runner.chunk_graphs
+    assert first[True].shape == (1, first[False].shape[1]) and rel_error(first[True], first[False]) < 2e-2
+    graphed = teacher_forced_logits(make_engine(small_moe_gguf, True), [prompt], 4)
+    eager = teacher_forced_logits(runs[False], [prompt], 4)
+    for g, e in zip(graphed, eager, strict=True):
+        assert rel_error(g, e) < 2e-2
+    server = make_engine(small_moe_gguf, True)
+    server.capture_graphs()
+    assert list(server.runner.chunk_graphs) == [64]
+    cached = make_engine(small_moe_gguf, True, cpu_moe=True, budget_mib=2, miss_mode="stream")
+    assert cached.runner.chunk_sizes == []  # a host layer's prompt stages its experts: never a chunk graph
+
+
 # relative logits error against the bf16 KV cache, measured on the CPU in float32 on this model: q8_0
 # 0.9-1.7%, q4_0 14%, q8_0 K with q4_0 V 13%; bf16 activations add about 1% (the graphed-vs-eager bound)
 KV_LOGIT_BOUNDS = {("q8_0", "q8_0"): 0.05, ("q4_0", "q4_0"): 0.3, ("q8_0", "q4_0"): 0.3}
