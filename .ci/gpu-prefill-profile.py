@@ -1,11 +1,14 @@
 """Where a prompt's time goes (issue 16's pp512): one `prompt_len`-token prefill profiled after a warm one, per
 configuration: wall time and tokens/s, the device's kernels by name (time, count) and how busy it was, then the
 host's time by function (cProfile, a third prefill) where the device waits for it.
-Usage: python3 .ci/gpu-prefill-profile.py MODEL.gguf [prompt_len] [config name substring]
+Usage: [ROUTING=model] python3 .ci/gpu-prefill-profile.py MODEL.gguf [prompt_len] [config name substring]
+(ROUTING: bench's routing, default synthetic:qwen3; `model`, the model's router, lets a resident prompt's first chunk
+replay a CUDA graph, `engine/runner.py`)
 (on a machine without CUDA it profiles the CPU's operators: a smoke run)"""
 
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
@@ -61,7 +64,8 @@ def main() -> None:
     only = sys.argv[3] if len(sys.argv) > 3 else ""
     engine = load_engine(EngineConfig(
         model=ModelConfig(path, max_context=prompt_len + 64),
-        scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=prompt_len)), routing="synthetic:qwen3")
+        scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=prompt_len)),
+        routing=os.environ.get("ROUTING", "synthetic:qwen3"))
     for name, cache in CONFIGS.items():
         if only not in name:
             continue
