@@ -114,9 +114,9 @@ class ModelRunner:
         return g.logits[:n]
 
     def _replay_chunk(self, span: SeqSpan, token_ids: list[int], size: int) -> torch.Tensor:
-        if size not in self.chunk_graphs:
-            self.chunk_graphs[size] = self._capture_chunk(size)
-        g = self.chunk_graphs[size]
+        g = self._chunk_graph(size)
+        if g is None:
+            return self._step(ForwardBatch.build([span], [token_ids], self.model.device))
         stage_chunk(g.staged.numpy(), span, token_ids, self.scratch_slot)
         g.inputs.copy_(g.staged, non_blocking=True)
         g.graph.replay()
@@ -131,10 +131,22 @@ class ModelRunner:
         for size in self.sizes:
             for length in self.buckets:
                 self._graph(size, length)
-        for size in self.chunk_sizes:
-            if size not in self.chunk_graphs:
-                self.chunk_graphs[size] = self._capture_chunk(size)
+        for size in list(self.chunk_sizes):
+            self._chunk_graph(size)
         return len(self.graphs) + len(self.chunk_graphs)
+
+    def _chunk_graph(self, size: int) -> _Graph | None:
+        """The chunk graph of `size` tokens, captured now if need be; None where a capture failed (then every prompt
+        runs eagerly, as it did before these graphs: a kernel of the prompt's path that a capture refuses must not
+        fail the request)."""
+        if size not in self.chunk_graphs and size in self.chunk_sizes:
+            try:
+                self.chunk_graphs[size] = self._capture_chunk(size)
+            except RuntimeError as exc:
+                log.warning("a prompt chunk of %d tokens could not be captured as a CUDA graph (%s): prompts run "
+                            "eagerly", size, exc)
+                self.chunk_sizes = []
+        return self.chunk_graphs.get(size)
 
     def _graph(self, size: int, length: int) -> _Graph:
         if (size, length) not in self.graphs:

@@ -71,3 +71,25 @@ def test_chunk_attention_is_prefill_attention_from_a_cache_holding_the_chunk(win
     expected = prefill_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], 2, 0, 0.25, window, sink)
     torch.testing.assert_close(chunk_attention(q, k, v, 0.25, window, sink), expected)
     assert not torch.allclose(chunk_attention(q, k, v.roll(1, 0), 0.25, window, sink), expected)
+
+
+def test_a_chunk_that_cannot_be_captured_runs_eagerly(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A capture a kernel refuses does not fail the request: the prompt runs eagerly, as do the prompts after it."""
+    engine = LLMEngine(EngineConfig(model=ModelConfig(str(tiny_gguf), device="cpu", max_context=256),
+                                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128)))
+    runner, ids = engine.runner, [(7 * i) % 50 + 1 for i in range(40)]
+    expected = runner.forward([SeqSpan(0, 0, 40)], [ids]).clone()
+    tried: list[int] = []
+
+    def refuse(size: int) -> None:
+        tried.append(size)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "_capture_chunk", refuse)
+    runner.chunk_sizes = [64, 128]  # as on CUDA
+    with caplog.at_level("WARNING", logger="engine.runner"):
+        got = runner.forward([SeqSpan(0, 0, 40)], [ids])
+    torch.testing.assert_close(got, expected)
+    assert tried == [64] and runner.chunk_sizes == [] and "run eagerly" in caplog.text
+    assert runner.chunk_size([SeqSpan(0, 0, 100)]) is None
