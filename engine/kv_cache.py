@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.arch.base import HParams
-from ops.fused import write_kv
+from ops.fused import KVWrite, write_kv
 from ops.kv_quant import kv_qtype, zeros
 from ops.quants import QType
 
@@ -79,6 +79,13 @@ class KVCache:
             raise ValueError("a key/value cache needs the values too")
         else:
             write_kv(self.k[layer], self.v[layer], slot_ids, positions, k, v, *self.qtypes)
+
+    def plain_write(self, layer: int, slot_ids: torch.Tensor, v: torch.Tensor) -> KVWrite | None:
+        """The layer's caches for the launch that rotates the keys to store into (`ops.fused.qk_norm_rope`), with
+        the values `[tokens, kv_heads, head_dim]`: where K and V are unquantized and separate; else None (`write`)."""
+        if self.is_latent or self.k_qtype is not None or self.v_qtype is not None:
+            return None
+        return KVWrite(self.k[layer], self.v[layer], slot_ids, v)
 
     def window(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` positions of every slot (views): `[slots, kv_heads, length, row]`, a row

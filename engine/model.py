@@ -203,15 +203,18 @@ class Model:
                              self.inv_freq, style, eps)
             k = qk_norm_rope(rms_norm(k, a.k_norm, eps).view(n, hp.num_kv_heads, hp.head_dim), None, positions,
                              self.inv_freq, style, eps)
-        else:  # q and k heads side by side in the projection: normed and rotated in one launch
+            v = v.view(n, hp.num_kv_heads, hp.head_dim)
+            kv.write(i, batch.slot_ids, batch.positions, k, v)
+        else:  # q and k heads side by side in the projection: normed, rotated (and cached) in one launch
             heads = hp.num_heads + hp.num_kv_heads
+            v = a.split(qkv)[2].view(n, hp.num_kv_heads, hp.head_dim)
+            cache = kv.plain_write(i, batch.slot_ids, v)
             qk = qk_norm_rope(qkv[:, :heads * hp.head_dim].view(n, heads, hp.head_dim), a.q_norm, positions,
                               self.inv_freq, style, eps, a.k_norm if a.q_norm is not None else None,
-                              hp.num_heads)
+                              hp.num_heads, cache)
             q, k = qk[:, :hp.num_heads], qk[:, hp.num_heads:]
-            v = a.split(qkv)[2]
-        v = v.view(n, hp.num_kv_heads, hp.head_dim)
-        kv.write(i, batch.slot_ids, batch.positions, k, v)
+            if cache is None:
+                kv.write(i, batch.slot_ids, batch.positions, k, v)
         if batch.fresh:  # NOTE: the slot's keys are these (a captured chunk names no slot): read them as they are
             out = chunk_attention(q, k, v, self.scale, self.hp.window(i), a.sinks)
         else:

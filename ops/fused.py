@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from functools import cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,16 @@ from ops.quants import QType
 from ops.qweight import Q8Weight
 
 RopeStyle = Literal["neox", "normal"]
+
+
+class KVWrite(NamedTuple):
+    """Where `qk_norm_rope` also stores a step's keys and values: one layer's unquantized caches
+    `[slots, kv_heads, max_len, head_dim]`, each token's slot and its values `[tokens, kv_heads, head_dim]`."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_ids: torch.Tensor
+    v: torch.Tensor
 
 
 @cache
@@ -94,17 +104,24 @@ def gated_act(gate_up: torch.Tensor, activation: Literal["silu", "gelu"]) -> tor
 
 def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: torch.Tensor,
                  inv_freq: torch.Tensor, style: RopeStyle, eps: float, k_norm_weight: torch.Tensor | None = None,
-                 q_heads: int | None = None) -> torch.Tensor:
+                 q_heads: int | None = None, cache: KVWrite | None = None) -> torch.Tensor:
     """x `[tokens, heads, head_dim]`: optional per-head RMSNorm, then rotary embedding at `positions`
     (neox: rotate halves; normal: rotate interleaved pairs). With q_heads, x holds q then k heads (of a
-    fused projection) and the k heads are normed with k_norm_weight."""
+    fused projection) and the k heads are normed with k_norm_weight. With `cache` the rotated keys (the heads from
+    q_heads on) and the values are also written into the caches, as `write_kv` writes them (one launch on the GPU)."""
+    if cache is not None and q_heads is None:
+        raise ValueError("qk_norm_rope: a cache write needs q_heads (the key heads follow the query heads)")
     if _fused(x):
         from ops.triton import fused
-        return fused.qk_norm_rope(x, norm_weight, positions, inv_freq, style, eps, k_norm_weight, q_heads)
+        return fused.qk_norm_rope(x, norm_weight, positions, inv_freq, style, eps, k_norm_weight, q_heads, cache)
     if q_heads is not None:
-        return torch.cat([qk_norm_rope_torch(x[:, :q_heads], norm_weight, positions, inv_freq, style, eps),
-                          qk_norm_rope_torch(x[:, q_heads:], k_norm_weight, positions, inv_freq, style, eps)], dim=1)
-    return qk_norm_rope_torch(x, norm_weight, positions, inv_freq, style, eps)
+        out = torch.cat([qk_norm_rope_torch(x[:, :q_heads], norm_weight, positions, inv_freq, style, eps),
+                         qk_norm_rope_torch(x[:, q_heads:], k_norm_weight, positions, inv_freq, style, eps)], dim=1)
+    else:
+        out = qk_norm_rope_torch(x, norm_weight, positions, inv_freq, style, eps)
+    if cache is not None:
+        write_kv_torch(cache.k_cache, cache.v_cache, cache.slot_ids, positions, out[:, q_heads or 0:], cache.v)
+    return out
 
 
 def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool,

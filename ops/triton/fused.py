@@ -15,7 +15,7 @@ import torch
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-from ops.fused import RopeStyle
+from ops.fused import KVWrite, RopeStyle
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows, check_vector
 from ops.triton.gate_up import ACTIVATIONS, _activation
 
@@ -224,8 +224,11 @@ def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 
 @triton.jit
 def _qk_norm_rope_kernel(x, token_stride, head_stride, heads, weight, k_weight, q_heads, positions, inv_freq, out,
-                         half, eps, HAS_NORM: tl.constexpr, NEOX: tl.constexpr, BLOCK: tl.constexpr):
-    # program (token, head); out is contiguous [tokens, heads, 2 * half]; heads >= q_heads norm with k_weight
+                         half, eps, v, v_token_stride, v_head_stride, k_cache, v_cache, slot_ids, cache_slot_stride,
+                         cache_head_stride, cache_pos_stride, HAS_NORM: tl.constexpr, NEOX: tl.constexpr,
+                         WRITE_KV: tl.constexpr, BLOCK: tl.constexpr):
+    # program (token, head); out is contiguous [tokens, heads, 2 * half]; heads >= q_heads norm with k_weight; with
+    # WRITE_KV a key head's program also stores its rotated key and the token's value head into the caches
     pid = tl.program_id(0)
     token = pid // heads
     is_key = pid % heads >= q_heads
@@ -247,21 +250,35 @@ def _qk_norm_rope_kernel(x, token_stride, head_stride, heads, weight, k_weight, 
         a = a * scale * wa.to(tl.float32)
         b = b * scale * wb.to(tl.float32)
     # the engine's angles: positions.float() * inv_freq, one float32 rounding
-    angle = tl.load(positions + token).to(tl.float32) * tl.load(inv_freq + i, mask=in_half, other=0.0)
+    position = tl.load(positions + token)
+    angle = position.to(tl.float32) * tl.load(inv_freq + i, mask=in_half, other=0.0)
     cos, sin = tl.cos(angle), tl.sin(angle)
+    rotated_a = (a * cos - b * sin).to(out.dtype.element_ty)
+    rotated_b = (b * cos + a * sin).to(out.dtype.element_ty)
     dst = out + pid.to(tl.int64) * (2 * half)
-    tl.store(dst + first, (a * cos - b * sin).to(out.dtype.element_ty), mask=in_half)
-    tl.store(dst + second, (b * cos + a * sin).to(out.dtype.element_ty), mask=in_half)
+    tl.store(dst + first, rotated_a, mask=in_half)
+    tl.store(dst + second, rotated_b, mask=in_half)
+    if WRITE_KV:
+        kv_head = (pid % heads - q_heads).to(tl.int64)
+        row = tl.load(slot_ids + token).to(tl.int64) * cache_slot_stride + kv_head * cache_head_stride + \
+            position.to(tl.int64) * cache_pos_stride
+        mask = in_half & (i * 0 + pid % heads >= q_heads)  # a key head's program
+        tl.store(k_cache + row + first, rotated_a, mask=mask)
+        tl.store(k_cache + row + second, rotated_b, mask=mask)
+        v_src = v + token.to(tl.int64) * v_token_stride + kv_head * v_head_stride
+        tl.store(v_cache + row + first, tl.load(v_src + first, mask=mask, other=0.0), mask=mask)
+        tl.store(v_cache + row + second, tl.load(v_src + second, mask=mask, other=0.0), mask=mask)
 
 
 def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: torch.Tensor,
                  inv_freq: torch.Tensor, style: RopeStyle, eps: float, k_norm_weight: torch.Tensor | None = None,
-                 q_heads: int | None = None) -> torch.Tensor:
+                 q_heads: int | None = None, cache: KVWrite | None = None) -> torch.Tensor:
     """x `[tokens, heads, head_dim]` (head_dim contiguous, any token/head strides) -> the same shape,
     contiguous: optional per-head RMSNorm (norm_weight `[head_dim]` of x's dtype), then rotary embedding
     at `positions` (int `[tokens]`) with `inv_freq` (float32 `[head_dim / 2]`), neox or normal pairs.
     q and k of a fused projection in one launch: heads from `q_heads` on are keys, normed with
-    `k_norm_weight` (given with norm_weight)."""
+    `k_norm_weight` (given with norm_weight). `cache`: the rotated keys and the values stored into one layer's
+    unquantized caches in the same launch (what `write_kv` would store)."""
     device = x.device
     check_device("x", x, device)
     if x.dim() != 3 or x.dtype not in FLOAT_DTYPES or x.shape[2] % 2 or not 2 <= x.shape[2] <= MAX_DIM:
@@ -280,15 +297,40 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: t
         check_vector("k_norm_weight", k_norm_weight, head_dim, (x.dtype,), device)
     check_vector("positions", positions, tokens, INDEX_DTYPES, device)
     check_vector("inv_freq", inv_freq, head_dim // 2, (torch.float32,), device)
+    if cache is not None:
+        check_kv_write(cache, x, tokens, heads - (heads if q_heads is None else q_heads))
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=device)
     if tokens and heads:
         block = triton.next_power_of_2(head_dim // 2)
         weight = x if norm_weight is None else norm_weight
+        c = cache or KVWrite(out, out, positions, out)  # unused pointers without a cache
         _qk_norm_rope_kernel[(tokens * heads,)](
             x, x.stride(0), x.stride(1), heads, weight, weight if k_norm_weight is None else k_norm_weight,
             heads if q_heads is None else q_heads, positions, inv_freq, out, head_dim // 2, float(eps),
-            HAS_NORM=norm_weight is not None, NEOX=style == "neox", BLOCK=block, num_warps=_num_warps(block))
+            c.v, c.v.stride(0), c.v.stride(1), c.k_cache, c.v_cache, c.slot_ids, *c.k_cache.stride()[:3]
+            if cache is not None else (0, 0, 0),
+            HAS_NORM=norm_weight is not None, NEOX=style == "neox", WRITE_KV=cache is not None, BLOCK=block,
+            num_warps=_num_warps(block))
     return out
+
+
+def check_kv_write(cache: KVWrite, x: torch.Tensor, tokens: int, kv_heads: int) -> None:
+    """The caches `[slots, kv_heads, max_len, head_dim]` of x's dtype, one layout for K and V (head_dim contiguous),
+    v `[tokens, kv_heads, head_dim]` (head_dim contiguous), slot ids `[tokens]`."""
+    head_dim, device = x.shape[2], x.device
+    for name, t in (("k_cache", cache.k_cache), ("v_cache", cache.v_cache)):
+        check_device(name, t, device)
+        if t.dim() != 4 or t.dtype != x.dtype or t.shape[1] != kv_heads or t.shape[3] != head_dim or t.stride(3) != 1:
+            raise ValueError(f"{name}: expected {x.dtype} [slots, {kv_heads}, positions, {head_dim}] with contiguous "
+                             f"rows, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    if cache.v_cache.shape != cache.k_cache.shape or cache.v_cache.stride() != cache.k_cache.stride():
+        raise ValueError(f"v_cache: expected the shape and strides of k_cache, got {tuple(cache.v_cache.shape)} "
+                         f"{cache.v_cache.stride()} and {tuple(cache.k_cache.shape)} {cache.k_cache.stride()}")
+    check_device("v", cache.v, device)
+    if cache.v.shape != (tokens, kv_heads, head_dim) or cache.v.dtype != x.dtype or cache.v.stride(2) != 1:
+        raise ValueError(f"v: expected {x.dtype} [{tokens}, {kv_heads}, {head_dim}] with contiguous rows, got "
+                         f"{cache.v.dtype} {tuple(cache.v.shape)}")
+    check_vector("slot_ids", cache.slot_ids, tokens, INDEX_DTYPES, device)
 
 
 # --- routing --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QType  # noqa: E402
 from ops.triton import moe_gemm, qlinear  # noqa: E402
 from ops.triton.attention import _split_kernel  # noqa: E402
 from ops.triton.down import _down_kernel  # noqa: E402
-from ops.triton.fused import _gated_act_kernel, _sandwich_kernel  # noqa: E402
+from ops.triton.fused import _gated_act_kernel, _qk_norm_rope_kernel, _sandwich_kernel  # noqa: E402
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
 from ops.triton.qdot import KERNEL_TYPES, step_blocks  # noqa: E402
@@ -129,6 +129,15 @@ def test_decode_attention_with_windows_and_sinks_compiles_for_sm90(head_dim: int
 def test_gated_act_compiles_for_sm90(gelu: bool) -> None:
     compile_for_sm90(_gated_act_kernel, {"gate_up": "*bf16", "out": "*bf16"},
                      dict(ACT=ACTIVATIONS["gelu" if gelu else "silu"], BLOCK=1024), num_warps=4)
+
+
+@needs_backend
+@pytest.mark.parametrize("write_kv", [False, True], ids=["rope", "rope-and-cache"])
+def test_qk_norm_rope_compiles_for_sm90(write_kv: bool) -> None:
+    pointers = ("x", "weight", "k_weight", "out", "v", "k_cache", "v_cache")
+    compile_for_sm90(_qk_norm_rope_kernel, {**{name: "*bf16" for name in pointers}, "positions": "*i64",
+                                            "slot_ids": "*i64", "inv_freq": "*fp32", "eps": "fp32"},
+                     dict(HAS_NORM=True, NEOX=True, WRITE_KV=write_kv, BLOCK=64), num_warps=2)
 
 
 # the decode loops that spill today (tools.sass_loops, docs/kernels.md), at most this many local loads a step

@@ -24,6 +24,7 @@ import torch
 
 from engine.model import rope_frequencies
 from ops.fused import (
+    KVWrite,
     add_rms_norm_torch,
     gated_act_torch,
     qk_norm_rope_torch,
@@ -31,6 +32,7 @@ from ops.fused import (
     route_topk_torch,
     routed_weights_torch,
     sandwich_norm_torch,
+    write_kv_torch,
 )
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the fused GPU kernels need it")
@@ -195,6 +197,30 @@ def check_qk_pair(tokens: int, q_heads: int, k_heads: int, style: str, has_norm:
     return assert_close(out, ref, TOL[dtype], pair_magnitude(ref, style))
 
 
+def check_qk_cache_write(tokens: int, q_heads: int, k_heads: int, style: str, dtype: torch.dtype,
+                         device: torch.device, seed: int, head_dim: int = 64) -> float:
+    """q and k heads rotated with the keys and the values stored into a layer's caches in the same launch: the
+    caches bit for bit what `write_kv` stores from the launch's own keys (scattered slots and positions, the other
+    rows untouched), the rotation as without the write."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim, generator=gen).to(dtype).to(device)
+    x = qkv[:, :(q_heads + k_heads) * head_dim].view(tokens, q_heads + k_heads, head_dim)
+    v = qkv[:, (q_heads + k_heads) * head_dim:].view(tokens, k_heads, head_dim)
+    norms = [(torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(device) for _ in range(2)]
+    positions = torch.randperm(40, generator=gen)[:tokens].to(device)
+    slots = torch.randint(0, 3, (tokens,), generator=gen).to(device)
+    freqs = inv_freq(head_dim).to(device)
+    k_cache, v_cache = (torch.randn(3, k_heads, 40, head_dim, generator=gen).to(dtype).to(device) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = qk_norm_rope(x, norms[0], positions, freqs, style, EPS, norms[1], q_heads,  # type: ignore[arg-type]
+                       KVWrite(k_cache, v_cache, slots, v))
+    alone = qk_norm_rope(x, norms[0], positions, freqs, style, EPS, norms[1], q_heads)  # type: ignore[arg-type]
+    assert torch.equal(out, alone)
+    write_kv_torch(k_ref, v_ref, slots, positions, alone[:, q_heads:], v)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    return 0.0
+
+
 def check_route_topk(tokens: int, experts: int, top_k: int, norm_topk: bool, masked: bool, dtype: torch.dtype,
                      device: torch.device, seed: int) -> float:
     gen = torch.Generator().manual_seed(seed)
@@ -292,6 +318,12 @@ def test_qk_norm_rope(tokens: int, heads: int, style: str, has_norm: bool, dtype
 @pytest.mark.parametrize("tokens", [1, 32])
 def test_qk_norm_rope_of_q_and_k_in_one_launch(tokens: int, has_norm: bool) -> None:
     check_qk_pair(tokens, 32, 4, "neox", has_norm, torch.bfloat16, CUDA, seed())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_qk_norm_rope_writes_the_caches(tokens: int) -> None:
+    check_qk_cache_write(tokens, 32, 4, "neox", torch.bfloat16, CUDA, seed(), head_dim=128)
 
 
 @pytest.mark.gpu
@@ -463,6 +495,9 @@ INTERPRETER_CHECKS = [
     ("qk_norm_rope neox norm bf16", lambda s: check_qk_norm_rope(3, 2, 64, "neox", True, BF16, CPU, s)),
     ("qk_norm_rope neox fp32", lambda s: check_qk_norm_rope(2, 2, 64, "neox", False, F32, CPU, s)),
     ("qk_norm_rope q and k bf16", lambda s: check_qk_pair(3, 4, 2, "neox", True, BF16, CPU, s, head_dim=64)),
+    ("qk_norm_rope q and k into the caches neox bf16", lambda s: check_qk_cache_write(5, 4, 2, "neox", BF16, CPU, s)),
+    ("qk_norm_rope q and k into the caches normal fp32",
+     lambda s: check_qk_cache_write(3, 6, 3, "normal", F32, CPU, s)),
     ("qk_norm_rope normal norm fp32", lambda s: check_qk_norm_rope(2, 3, 64, "normal", True, F32, CPU, s)),
     ("qk_norm_rope normal fp16 strided", lambda s: check_qk_norm_rope(2, 2, 32, "normal", False, F16, CPU, s,
                                                                       strided=True)),
