@@ -207,10 +207,10 @@ def check_qk_cache_write(tokens: int, q_heads: int, k_heads: int, style: str, dt
     x = qkv[:, :(q_heads + k_heads) * head_dim].view(tokens, q_heads + k_heads, head_dim)
     v = qkv[:, (q_heads + k_heads) * head_dim:].view(tokens, k_heads, head_dim)
     norms = [(torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(device) for _ in range(2)]
-    positions = torch.randperm(40, generator=gen)[:tokens].to(device)
+    positions = torch.randperm(80, generator=gen)[:tokens].to(device)  # distinct (slot, position) pairs
     slots = torch.randint(0, 3, (tokens,), generator=gen).to(device)
     freqs = inv_freq(head_dim).to(device)
-    k_cache, v_cache = (torch.randn(3, k_heads, 40, head_dim, generator=gen).to(dtype).to(device) for _ in range(2))
+    k_cache, v_cache = (torch.randn(3, k_heads, 80, head_dim, generator=gen).to(dtype).to(device) for _ in range(2))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     out = qk_norm_rope(x, norms[0], positions, freqs, style, EPS, norms[1], q_heads,  # type: ignore[arg-type]
                        KVWrite(k_cache, v_cache, slots, v))
