@@ -304,11 +304,11 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: t
         block = triton.next_power_of_2(head_dim // 2)
         weight = x if norm_weight is None else norm_weight
         c = cache or KVWrite(out, out, positions, out)  # unused pointers without a cache
+        cache_strides = c.k_cache.stride()[:3] if cache is not None else (0, 0, 0)
         _qk_norm_rope_kernel[(tokens * heads,)](
             x, x.stride(0), x.stride(1), heads, weight, weight if k_norm_weight is None else k_norm_weight,
             heads if q_heads is None else q_heads, positions, inv_freq, out, head_dim // 2, float(eps),
-            c.v, c.v.stride(0), c.v.stride(1), c.k_cache, c.v_cache, c.slot_ids, *c.k_cache.stride()[:3]
-            if cache is not None else (0, 0, 0),
+            c.v, c.v.stride(0), c.v.stride(1), c.k_cache, c.v_cache, c.slot_ids, *cache_strides,
             HAS_NORM=norm_weight is not None, NEOX=style == "neox", WRITE_KV=cache is not None, BLOCK=block,
             num_warps=_num_warps(block))
     return out
