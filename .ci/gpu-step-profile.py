@@ -254,14 +254,16 @@ def graph_census(engine: LLMEngine) -> str:
 def host_phases(engine: LLMEngine, batch: int, steps: int) -> str:
     """The host's time in each phase of a decode step (medians of the loop's steps, wall time): what runs while
     the device computes (after the launch: uploads, the last record's processing, the router's work ahead) and
-    what the device waits for (sampling's wait is the device's time left; the rest is the host's critical path)."""
+    what the device waits for (the read's wait is the device's time left, its record's `step_done` inside it; with
+    decode ahead the next step is launched before the last is read, and none of it is on the device's path)."""
     import engine.llm_engine as llm
 
-    phases = {"schedule": (engine.scheduler, "schedule"), "router begin": (engine.model.router, "begin_step"),
+    phases = {"schedule": (engine.scheduler, "schedule"), "schedule ahead": (engine.scheduler, "schedule_ahead"),
+              "router begin": (engine.model.router, "begin_step"),
               "prepare_step": (engine.cache, "prepare_step"), "launch": (engine.runner, "forward"),
               "uploads": (engine.cache, "launched"), "process": (engine.cache, "process"),
-              "router ahead": (engine.model.router, "while_running"), "sample (waits)": (llm, "sample"),
-              "step_done": (engine.cache, "step_done"), "update": (engine, "update")}
+              "router ahead": (engine.model.router, "while_running"), "sample": (llm, "sample_on_device"),
+              "read (waits)": (engine, "_read"), "update": (engine, "update")}
     spent: dict[str, float] = {}
     originals = {name: getattr(owner, attr) for name, (owner, attr) in phases.items()}
 

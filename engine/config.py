@@ -14,6 +14,7 @@ MISS_MODES = ("cpu", "stream", "hybrid")
 POLICIES = ("lru", "decay", "lfru", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DENSE_WEIGHTS = ("auto", "q8_0", "dtype")
+DECODE_AHEAD = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,11 @@ class SchedulerConfig:
     prefill_while_decoding: int = field(default=0, metadata={
         "flag": "--prefill-while-decoding", "metavar": "TOKENS", "help": "at most this many prompt tokens a step "
         "prefills beside running decodes, which wait for it (default 0: up to --max-batch-tokens)"})
+    decode_ahead: str = field(default="auto", metadata={
+        "flag": "--decode-ahead", "choices": DECODE_AHEAD, "help": "launch the next decode step, fed the sampled "
+        "tokens on the device, before the last step's tokens reach the host, so that the host's work of a step "
+        "runs while the device computes the next (auto: on CUDA with CUDA graphs where every routed expert is "
+        "resident; on: wherever every routed expert is resident)"})
     max_model_len: int = 4096  # positions of one KV slot
     max_waiting: int = 256
 
@@ -177,6 +183,8 @@ class SchedulerConfig:
             raise ValueError("need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs")
         if self.prefill_while_decoding < 0:
             raise ValueError("prefill_while_decoding must be >= 0")
+        if self.decode_ahead not in DECODE_AHEAD:
+            raise ValueError(f"decode_ahead must be one of {', '.join(DECODE_AHEAD)} (got {self.decode_ahead!r})")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
 

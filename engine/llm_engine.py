@@ -17,6 +17,7 @@ from engine.arch import get_arch
 from engine.config import CacheConfig, EngineConfig
 from engine.detok import TextOutput
 from engine.expert_cache.cache import ExpertCache, build_expert_cache
+from engine.expert_cache.dispatch import StepTicket
 from engine.expert_cache.record import StepRecord
 from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
@@ -25,7 +26,7 @@ from engine.kv_cache import KVCache, check_kv_fits, check_kv_types
 from engine.model import Model, SeqSpan
 from engine.moe import Router
 from engine.runner import ModelRunner
-from engine.sampler import SamplingState, make_generator, prompt_logprobs, sample
+from engine.sampler import SamplingState, make_generator, on_device, prompt_logprobs, sample, sample_on_device
 from engine.scheduler import Scheduler, Sequence
 from engine.trace import RequestTraces
 from engine.types import Request, RequestError, RequestOutput, ScheduledSeq, SchedulerOutput, StepOutput, TokenLogprob
@@ -61,6 +62,21 @@ class RequestState:
             return ()
         taken, self.prompt_logprobs = (None, *self.prompt_logprobs), None
         return taken
+
+
+@dataclass
+class _Launched:
+    """A step launched and not yet read (`LLMEngine._read`)."""
+
+    sched: SchedulerOutput
+    ids: list[str]  # the requests that sample, in the order of their rows
+    logits: torch.Tensor
+    logits_from: list[int] | None
+    ticket: StepTicket  # its record, for the cache
+    start: float
+    tokens: torch.Tensor | None = None  # sampled on the device: `[rows]` int64 there (a step ahead's inputs)
+    host_tokens: torch.Tensor | None = None  # their copy in host memory (pinned on CUDA)
+    done: torch.cuda.Event | None = None  # recorded after everything the step launched (CUDA)
 
 
 @dataclass(frozen=True)
@@ -107,6 +123,12 @@ class LLMEngine:
             if config.cache.record_trace else None
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self._decode_rate = 0.0
+        self.decodes_ahead = self._decodes_ahead()
+        self._ahead: _Launched | None = None  # a decode step launched before the last one was read
+        self._read_at = 0.0  # when the last step was read
+        pin = self.device.type == "cuda"
+        self._host_tokens = torch.zeros((2, sched.max_num_seqs), dtype=torch.int64, pin_memory=pin)  # used in turn
+        self._turn = 0
 
     @property
     def max_model_len(self) -> int:
@@ -139,56 +161,116 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)
-        return None if seq is None else self._output(seq, (), (), "abort")
+        if seq is None:
+            return None
+        output = self._output(seq, (), (), "abort")
+        if self._ahead is not None and not self.has_unfinished():  # idle: nothing is left launched
+            self._read(self._ahead)
+            self._ahead = None
+        return output
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """One step; `on_launched` is called once the step's device work is launched (before it is waited for)."""
-        sched = self.scheduler.schedule()  # 1. which sequences, which tokens; which ended since the last step
-        for request_id in sched.finished_ids:  # 2. the router forgets the ended requests
-            self.model.router.release(request_id)
-        if sched.is_empty:
-            self.cache.flush()
-            return []
-        result = self.execute(sched, on_launched)  # 3. forward + sample on the device
-        outputs = self.update(sched, result)  # 4. tokens -> text; the scheduler's stops applied
+        """One step's outputs; `on_launched` is called once device work is launched (before it is waited for).
+
+        Decode ahead (`decodes_ahead`): where a decode step's tokens are sampled on the device and the next step
+        can only be the same sequences' decode (`Scheduler.can_schedule_ahead`), that next step is launched, fed
+        those tokens on the device, before this one's reach the host: the host's reading, text and scheduling of
+        one step run while the device computes the next, and the device does not wait between them. A sequence
+        that this step ends (a stop token or string) has its row of the step ahead dropped."""
+        if self._ahead is None:
+            sched = self.scheduler.schedule()  # 1. which sequences, which tokens; which ended since the last step
+            self._release(sched)
+            if sched.is_empty:
+                self.cache.flush()
+                return []
+            launched = self._launch(sched, on_launched)  # 2. forward + sampling launched on the device
+            on_launched = None
+        else:
+            launched, self._ahead = self._ahead, None
+        if self._goes_ahead(launched):
+            sched = self.scheduler.schedule_ahead()
+            self._release(sched)
+            if not sched.is_empty:
+                self._ahead = self._launch(sched, on_launched, feed=launched)
+        outputs = self.update(launched.sched, self._read(launched))  # 3. tokens -> text; stops applied
+        if self._ahead is not None and not any(i in self.states for i in self._ahead.ids):
+            self._read(self._ahead)  # every sequence of the step ahead has ended
+            self._ahead = None
         if not self.has_unfinished():
             self.cache.flush()  # idle: the cache's stats include the last step
         return outputs
 
-    def execute(self, sched: SchedulerOutput, on_launched: Callable[[], None] | None = None) -> StepOutput:
+    def _release(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_ids:  # the router forgets the ended requests
+            self.model.router.release(request_id)
+
+    def _goes_ahead(self, launched: _Launched) -> bool:
+        return self.decodes_ahead and launched.tokens is not None and self.scheduler.can_schedule_ahead()
+
+    def _launch(self, sched: SchedulerOutput, on_launched: Callable[[], None] | None = None,
+                feed: _Launched | None = None) -> _Launched:
+        """Launch a step's forward and, where the device samples its rows (`sampler.on_device`), its sampling and the
+        tokens' copy to the host. `feed`: the step launched before, whose sampled tokens are this one's inputs."""
         start = time.perf_counter()
         spans = [SeqSpan(s.slot, s.start, len(s.token_ids)) for s in sched.seqs]
         keys = [s.request_id for s in sched.seqs for _ in s.token_ids]
         logits_from = self._logits_from(sched)
-        # NOTE: a sequence's logit rows end at its last token; one row each unless logits_from says more
-        counts = [1] * len(sched.seqs) if logits_from is None else \
-            [s.start + len(s.token_ids) - first for s, first in zip(sched.seqs, logits_from, strict=True)]
-        last_rows = list(itertools.accumulate(counts, initial=-1))[1:]
         rows = [i for i, s in enumerate(sched.seqs) if s.samples]
-        states = [self.states[sched.seqs[i].request_id].sampling for i in rows]
-        sampled: tuple[list, list] = ([], [])
+        ids = [sched.seqs[i].request_id for i in rows]
+        if feed is None:
+            token_ids, fed = [list(s.token_ids) for s in sched.seqs], None
+        else:
+            row_of = {request_id: row for row, request_id in enumerate(feed.ids)}
+            token_ids, fed = [[row_of[s.request_id]] for s in sched.seqs], feed.tokens
+        logits, ticket = self._launch_forward(spans, token_ids, keys, logits_from, on_launched, fed)
+        launched = _Launched(sched, ids, logits, logits_from, ticket, start)
+        states = [self.states[i].sampling for i in ids]
+        if rows and logits_from is None and len(rows) == len(sched.seqs) and on_device(states):
+            launched.tokens = sample_on_device(logits, states)
+            self._turn ^= 1
+            launched.host_tokens = self._host_tokens[self._turn, :len(rows)]
+            launched.host_tokens.copy_(launched.tokens, non_blocking=True)
+        if self.device.type == "cuda":
+            launched.done = torch.cuda.Event()
+            launched.done.record()  # after the step, its record's copy and its tokens' copy
+        return launched
+
+    def _read(self, launched: _Launched) -> StepOutput:
+        """Wait for a launched step and read it: its sampled tokens (sampled now where the device did not), its
+        prompt log-probabilities, its record."""
+        sched, logits = launched.sched, launched.logits
+        if launched.done is not None:
+            launched.done.synchronize()
         prompt: dict[str, tuple[TokenLogprob, ...]] = {}
-
-        def consume(logits: torch.Tensor) -> None:
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        if launched.host_tokens is not None:
+            tokens = launched.host_tokens.tolist()
+        else:
+            # NOTE: a sequence's logit rows end at its last token; one row each unless logits_from says more
+            counts = [1] * len(sched.seqs) if launched.logits_from is None else \
+                [s.start + len(s.token_ids) - first for s, first in zip(sched.seqs, launched.logits_from, strict=True)]
+            last_rows = list(itertools.accumulate(counts, initial=-1))[1:]
+            rows = [i for i, s in enumerate(sched.seqs) if s.samples]
             if rows:  # NOTE: every row of a decode step: the logits as they are, no row list to the device
-                every = logits_from is None and len(rows) == len(sched.seqs)
+                every = launched.logits_from is None and len(rows) == len(sched.seqs)
                 picked = logits if every else logits[[last_rows[i] for i in rows]]
-                sampled[0][:], sampled[1][:] = sample(picked, states)
-            if logits_from is not None:
-                prompt.update(self._prompt_logprobs(sched, logits, last_rows))
-
-        record = self.forward(spans, [list(s.token_ids) for s in sched.seqs], keys, consume, logits_from, on_launched)
+                tokens, logprobs = sample(picked, [self.states[i].sampling for i in launched.ids])
+            if launched.logits_from is not None:
+                prompt = self._prompt_logprobs(sched, logits, last_rows)
+        record = self.cache.step_done(launched.ticket)
         if self.traces is not None:
             self.traces.add_step([(s.request_id, len(s.token_ids)) for s in sched.seqs], record.ids)
-        ids = [sched.seqs[i].request_id for i in rows]
         self.counters["steps"] += 1
-        tokens, logprobs = sampled
-        return StepOutput(dict(zip(ids, tokens)), {i: lp for i, lp in zip(ids, logprobs) if lp is not None},
-                          sched.num_tokens, time.perf_counter() - start, prompt)
+        now = time.perf_counter()
+        seconds, self._read_at = now - max(launched.start, self._read_at), now  # a step ahead: since the last read
+        return StepOutput(dict(zip(launched.ids, tokens)),
+                          {i: lp for i, lp in zip(launched.ids, logprobs) if lp is not None},
+                          sched.num_tokens, seconds, prompt)
 
     def _predicts_prompt(self, s: ScheduledSeq) -> bool:
         """Whether the chunk predicts prompt tokens whose log-probabilities the request asked for."""
@@ -239,29 +321,39 @@ class LLMEngine:
         return torch.cat(rows)
 
     def forward(self, spans: list[SeqSpan], token_ids: list[list[int]], keys: list[str],
-                consume: Callable[[torch.Tensor], None], logits_from: list[int] | None = None,
-                on_launched: Callable[[], None] | None = None) -> StepRecord:
+                consume: Callable[[torch.Tensor], None], logits_from: list[int] | None = None) -> StepRecord:
         """One forward pass with the expert cache's protocol around it; `consume(logits)` reads the logits
-        (sampling: it waits for the device). `keys`: the request of each token; `logits_from`: see
-        `ForwardBatch.build`; `on_launched`: called once the pass is launched. Returns the step record."""
+        (it waits for the device). `keys`: the request of each token; `logits_from`: see `ForwardBatch.build`.
+        Returns the step record. Only while no step is launched ahead."""
+        logits, ticket = self._launch_forward(spans, token_ids, keys, logits_from)
+        consume(logits)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # NOTE: the step record is complete
+        return self.cache.step_done(ticket)  # this step's record, processed while the next step runs
+
+    def _launch_forward(self, spans: list[SeqSpan], token_ids: list[list[int]], keys: list[str],
+                        logits_from: list[int] | None = None, on_launched: Callable[[], None] | None = None,
+                        feed: torch.Tensor | None = None) -> tuple[torch.Tensor, StepTicket]:
+        """Launch one forward pass with the expert cache's protocol around it: its logits (not waited for) and its
+        ticket for `ExpertCache.step_done`. `on_launched`: called once the pass is launched; `feed`: see
+        `ModelRunner.forward`."""
         self.model.router.begin_step(keys)
         self.cache.prepare_step(len(keys))  # a. the table changes decided during the last step, for the device
-        logits = self.runner.forward(spans, token_ids, logits_from)  # b. launched
-        self.cache.launched()
+        logits = self.runner.forward(spans, token_ids, logits_from, feed)  # b. launched
+        ticket = self.cache.launched()
         if on_launched is not None:
             on_launched()
         # c. while the device computes: the previous step's cache bookkeeping, the router's work ahead
         self.cache.process()
         self.model.router.while_running()
-        consume(logits)  # d. waits for the device
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # NOTE: the step record is complete
-        return self.cache.step_done()  # e. this step's record, processed while the next step runs
+        return logits, ticket
 
     def update(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         outputs = []
         for s in sched.seqs:
-            state = self.states[s.request_id]
+            state = self.states.get(s.request_id)
+            if state is None:  # ended while a step ahead ran for it
+                continue
             if s.start == 0:
                 self.counters["prompt_tokens"] += len(self.scheduler.requests[s.request_id].request.prompt_ids)
             if state.prompt_logprobs is not None:
@@ -308,7 +400,15 @@ class LLMEngine:
         self.model.experts = self.cache.dispatcher
         self.runner = self._make_runner()  # a fresh graph memory pool for the new captures
         self.launches_async = self._launches_async()
+        self.decodes_ahead = self._decodes_ahead()
         return summary
+
+    def _decodes_ahead(self) -> bool:
+        """Decode ahead (`step`): `on` wherever the cache decides nothing (`ExpertCache.is_static`: no step's
+        table changes depend on the step before); `auto` there too, on CUDA with the decode steps captured."""
+        mode = self.config.scheduler.decode_ahead
+        return self.cache.is_static and (mode == "on" or mode == "auto" and self.launches_async
+                                          and self.runner.use_graphs)
 
     def _launches_async(self) -> bool:
         """Whether a step's device work runs on after `forward` returns: on CUDA, where no layer syncs the host

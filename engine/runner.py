@@ -42,6 +42,7 @@ class _Graph:
     inputs: torch.Tensor  # [3, size] int64 on the device
     staged: torch.Tensor  # [3, size] int64 pinned host memory: the next step's inputs, one copy
     logits: torch.Tensor  # static output
+    copied: torch.cuda.Event  # the last copy out of `staged`: waited for before it is written again
 
 
 class ModelRunner:
@@ -77,15 +78,20 @@ class ModelRunner:
             return None
         return next((size for size in self.chunk_sizes if size >= spans[0].num_tokens), None)
 
-    def forward(self, spans: list[SeqSpan], token_ids: list[list[int]],
-                logits_from: list[int] | None = None) -> torch.Tensor:
+    def forward(self, spans: list[SeqSpan], token_ids: list[list[int]], logits_from: list[int] | None = None,
+                feed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[seqs, vocab]` of each sequence's last token, or of more rows (`logits_from`, see
-        `ForwardBatch.build`: such a step runs eagerly); launched, not synchronized."""
+        `ForwardBatch.build`: such a step runs eagerly); launched, not synchronized. `feed`: a decode step whose
+        tokens are on the device (the last step's sampled tokens, `LLMEngine`'s decode ahead): each of `token_ids`
+        is then a row of `feed`, and the step's input ids are gathered there."""
         if logits_from is None and self.can_replay(spans):
-            return self._replay(spans, token_ids)
-        if logits_from is None and (size := self.chunk_size(spans)) is not None:
+            return self._replay(spans, token_ids, feed)
+        if feed is None and logits_from is None and (size := self.chunk_size(spans)) is not None:
             return self._replay_chunk(spans[0], token_ids[0], size)
-        return self._step(ForwardBatch.build(spans, token_ids, self.model.device, logits_from))
+        batch = ForwardBatch.build(spans, token_ids, self.model.device, logits_from)
+        if feed is not None:
+            batch.input_ids.copy_(feed[batch.input_ids])
+        return self._step(batch)
 
     def _step(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.token_mask is not None:  # a captured batch: its padding rows write the scratch slot
@@ -97,18 +103,21 @@ class ModelRunner:
         self.experts.end_step()
         return logits
 
-    def _replay(self, spans: list[SeqSpan], token_ids: list[list[int]]) -> torch.Tensor:
+    def _replay(self, spans: list[SeqSpan], token_ids: list[list[int]], feed: torch.Tensor | None) -> torch.Tensor:
         n = len(spans)
         size = next(b for b in self.sizes if b >= n)
         length = next(x for x in self.buckets if x >= max(s.end for s in spans))
         g = self._graph(size, length)
-        # NOTE: the previous step's copy out of `staged` has completed: its tokens were sampled on the host
+        g.copied.synchronize()  # NOTE: a step launched ahead: the last copy out of `staged` may not have run yet
         staged = g.staged.numpy()
         staged[0, :n] = [ids[0] for ids in token_ids]
         staged[1, :n] = [s.start for s in spans]
         staged[2, :n] = [s.slot for s in spans]
         staged[:, n:] = np.array([[0], [0], [self.scratch_slot]])
         g.inputs.copy_(g.staged, non_blocking=True)  # one copy; the graph derives the token mask
+        g.copied.record()
+        if feed is not None:
+            g.inputs[0, :n] = feed[g.inputs[0, :n]]
         g.graph.replay()
         self.experts.replayed(n, size)
         return g.logits[:n]
@@ -117,8 +126,10 @@ class ModelRunner:
         g = self._chunk_graph(size)
         if g is None:
             return self._step(ForwardBatch.build([span], [token_ids], self.model.device))
+        g.copied.synchronize()
         stage_chunk(g.staged.numpy(), span, token_ids, self.scratch_slot)
         g.inputs.copy_(g.staged, non_blocking=True)
+        g.copied.record()
         g.graph.replay()
         self.experts.replayed(span.num_tokens, size, prefill=True)
         return g.logits
@@ -162,14 +173,15 @@ class ModelRunner:
                              torch.arange(size, device=device), length,
                              torch.zeros(size, dtype=torch.bool, device=device))
         graph, logits = self._record(batch)
-        return _Graph(graph, batch, inputs, torch.empty((3, size), dtype=torch.int64).pin_memory(), logits)
+        return _Graph(graph, batch, inputs, torch.empty((3, size), dtype=torch.int64).pin_memory(), logits,
+                      torch.cuda.Event())
 
     def _capture_chunk(self, size: int) -> _Graph:
         inputs, batch = chunk_batch(size, self.scratch_slot, self.model.device)
         staged = torch.empty((3, size), dtype=torch.int64).pin_memory()
         staged[1] = torch.arange(size)  # positions 0.. (a first chunk's), never restaged
         graph, logits = self._record(batch)
-        return _Graph(graph, batch, inputs, staged, logits)
+        return _Graph(graph, batch, inputs, staged, logits, torch.cuda.Event())
 
     def _record(self, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         device = self.model.device

@@ -89,22 +89,33 @@ def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> 
     return torch.argmax(probs / noise, -1)
 
 
-def _is_plain_greedy(state: SamplingState) -> bool:
-    p = state.params
-    return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty)
-
-
 def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
+def on_device(states: Sequence[SamplingState]) -> bool:
+    """Whether `sample_on_device` samples these rows: no penalties (they read the tokens sampled so far) and no
+    logprobs (read on the host)."""
+    return all(s.params.logprobs is None and not _has_penalties(s.params) for s in states)
+
+
+def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Rows that `on_device` takes -> their tokens `[rows]` int64, left on the logits' device (launched, not waited
+    for): greedy rows by argmax, the others filtered and drawn together (`filter_rows`, `_draw`)."""
+    chosen = logits.argmax(-1)
+    drawn = [i for i, s in enumerate(states) if not s.params.is_greedy]
+    if drawn:
+        probs = torch.softmax(filter_rows(logits[drawn], [states[i].params for i in drawn]), -1)
+        chosen[drawn] = _draw(probs, [states[i].generator for i in drawn])
+    return chosen
 
 
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits `[rows, vocab]` float32, one state per row -> a token per row and its logprobs if asked. The rows are
     filtered and drawn together (`filter_rows`, `_draw`): one copy to the host a step, whatever the mix of greedy,
     sampled and seeded rows; only penalties are applied row by row."""
-    if all(_is_plain_greedy(s) for s in states):  # the common decode batch: one argmax, one sync
-        return logits.argmax(-1).tolist(), [None] * len(states)
+    if on_device(states):
+        return sample_on_device(logits, states).tolist(), [None] * len(states)
     asked = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     raw = torch.log_softmax(logits[asked], -1) if asked else None
     penalized = [i for i, s in enumerate(states) if _has_penalties(s.params)]
@@ -112,12 +123,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> tuple[list[int]
         logits = logits.clone()
         for i in penalized:
             apply_penalties(logits[i], states[i])
-    chosen = logits.argmax(-1)  # the greedy rows' tokens
-    drawn = [i for i, s in enumerate(states) if not s.params.is_greedy]
-    if drawn:
-        probs = torch.softmax(filter_rows(logits[drawn], [states[i].params for i in drawn]), -1)
-        chosen[drawn] = _draw(probs, [states[i].generator for i in drawn])
-    tokens: list[int] = chosen.tolist()
+    tokens: list[int] = sample_on_device(logits, states).tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(states)
     if raw is not None:
         num_top = max(states[i].params.logprobs or 0 for i in asked)

@@ -7,6 +7,10 @@ each) so running streams never stall behind a long prompt; the rest of the step'
 waiting prompts in chunks, at most `prefill_while_decoding` tokens while sequences decode where that is set (a
 step's prefill delays every running stream's next token). The scheduler decides when a sampled token ends a
 sequence (a stop token, its token limit, the context); the engine applies it.
+
+`schedule_ahead` is the next decode step scheduled before the last step's tokens are known (the engine's decode
+ahead): each running sequence's token is the one being sampled (`FED`: the engine feeds it on the device), and a
+sequence the last step ends (a stop token, a stop string) has run one step for nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.types import Request, RequestError, ScheduledSeq, SchedulerOutput
+
+FED = -1  # a token id of `schedule_ahead`: the token the last step samples, fed on the device
 
 
 @dataclass
@@ -126,6 +132,26 @@ class Scheduler:
             self.running.append(seq)
             seqs.append(self._chunk(seq, budget))
             budget -= len(seqs[-1].token_ids)
+        finished, self._finished = tuple(self._finished), []
+        return SchedulerOutput(tuple(seqs), finished)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step is decode steps alone and can be scheduled before the last step's tokens are known:
+        every running sequence awaits its sampled token and no waiting prompt could take a free slot."""
+        return bool(self.running) and all(s.num_computed == s.num_tokens for s in self.running) \
+            and not (self.waiting and self.free_slots)
+
+    def schedule_ahead(self) -> SchedulerOutput:
+        """The next decode step while the last step's tokens are still being sampled (`can_schedule_ahead`): a `FED`
+        token for each running sequence, but for those the last step's token ends by their token limit or the
+        context. Each sequence's tokens are then one ahead of what it holds until its sampled token is appended."""
+        seqs = []
+        for seq in self.running:
+            if len(seq.output_ids) + 1 >= seq.request.params.max_tokens or \
+                    seq.num_tokens + 1 >= self.config.max_model_len:
+                continue
+            seqs.append(ScheduledSeq(seq.request_id, seq.slot, seq.num_computed, (FED,), True))
+            seq.num_computed += 1
         finished, self._finished = tuple(self._finished), []
         return SchedulerOutput(tuple(seqs), finished)
 

@@ -3,9 +3,13 @@ that owns the slots, the policies and the copies, and observers of each step's r
 it around each step:
 
     prepare_step(n)  before the launch of n tokens: the table changes decided so far go to pinned memory
-    launched()       just after the launch: uploads start (ordered after the launched step)
+    launched()       just after the launch: the record's copy and the uploads start (ordered after the launched
+                     step); returns the step's ticket
     process()        while the step computes: the previous step's record -> observers and policies
-    step_done()      after the step synchronized: take its record for the next `process`
+    step_done(t)     once the step of ticket t has finished: take its record for the next `process`
+
+A decode step may be launched before the last one is done (`LLMEngine`'s decode ahead) only where the cache
+decides nothing (`is_static`): its table changes and landings then never depend on the step before.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from engine.config import CacheConfig
 from engine.expert_cache.cpu_tasks import CpuTasks, CpuWork
 from engine.expert_cache.device import LinkCap, bank_shape
-from engine.expert_cache.dispatch import ExpertDispatcher
+from engine.expert_cache.dispatch import ExpertDispatcher, StepTicket
 from engine.expert_cache.manager import CacheManager
 from engine.expert_cache.observers import CacheObservers
 from engine.expert_cache.placement import Placement, choose_placement
@@ -46,7 +50,8 @@ class ExpertCache:
             placement, plan, cfg, stats, split, cpu
         self._pending: StepRecord | None = None
         self._pending_seconds = 0.0  # the pending record's step, from prepare_step to step_done
-        self._began = 0.0  # when the running step was prepared
+        self._began = 0.0  # when the step being launched was prepared
+        self._ticket: StepTicket | None = None  # the last step launched
         self._split: tuple[float, float] | None = None  # a new hybrid (share, lead) for the next step
 
     # -- around each step ---------------------------------------------------------------------------------
@@ -60,8 +65,10 @@ class ExpertCache:
             self._split = None
         self.dispatcher.prepare(self.manager.changes())
 
-    def launched(self) -> None:
+    def launched(self) -> StepTicket:
+        self._ticket = replace(self.dispatcher.launched(), began=self._began)
         self.manager.start_uploads()
+        return self._ticket
 
     def process(self) -> None:
         """The previous step's record: observers, then (decode steps) the policies. Off the critical path."""
@@ -77,12 +84,20 @@ class ExpertCache:
                 seconds = self._pending_seconds / max(record.num_tokens, 1)
                 self._split = self.split.update(self.cpu.work(), seconds, record.num_tokens) or self._split
 
-    def step_done(self) -> StepRecord:
-        """Take the finished step's record (to be processed while the next step runs)."""
+    def step_done(self, ticket: StepTicket | None = None) -> StepRecord:
+        """Take a finished step's record (the last step launched unless `ticket` names another), to be processed
+        while the next step runs."""
+        ticket = ticket or self._ticket
+        assert ticket is not None, "step_done before any launch"
         self.process()  # a record not processed yet (no step ran meanwhile) goes first
-        self._pending, self._pending_seconds = self.dispatcher.take_record(), time.monotonic() - self._began
+        self._pending, self._pending_seconds = self.dispatcher.take_record(ticket), time.monotonic() - ticket.began
         self.manager.landed(self._pending)
         return self._pending
+
+    @property
+    def is_static(self) -> bool:
+        """Every routed expert resident: no step changes a table or lands an expert."""
+        return not self.dispatcher.host
 
     def flush(self) -> None:
         """Process what is pending (the engine is idle: stats complete)."""

@@ -6,7 +6,8 @@ free slot when the policy offered one) or computed by the CPU (a task the device
 The step kind is decided once per step: a decode step (up to `max_cached_batch` tokens) uses the cache
 as above, with no host sync, so it is captured as one CUDA graph; a larger batch (a prompt) stages
 whole host layers in VRAM and reads the cache without changing it. Everything a step decided is in its
-record (`record.py`), which the forward copies to the host as its last operation.
+record (`record.py`), which `launched` copies to the host just after the step: the step's `StepTicket` says
+where, so that its record is taken right even after a later step was launched.
 
 Layers on disk (`--ssd-moe`, `ram_tier.py`): on CUDA, a decode step syncs once per such layer, after its router,
 reads the experts no slot holds into the host-RAM tier and points the device's host table at their RAM slots
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +40,18 @@ from ops.grouped_gemm import expert_ffn_grouped_gemm, grouped_gemm_available
 class StepKind(enum.Enum):
     DECODE = "decode"  # the cache serves, misses land
     PREFILL = "prefill"  # host layers staged whole; the cache is read, never changed
+
+
+@dataclass(frozen=True)
+class StepTicket:
+    """A launched step, for taking its record once it has finished: its kind, tokens and pairs, and the host copy
+    of its record."""
+
+    is_prefill: bool
+    num_tokens: int
+    pairs: int
+    turn: int
+    began: float = 0.0  # when it was prepared (`ExpertCache.prepare_step`)
 
 
 class ExpertDispatcher:
@@ -132,18 +145,21 @@ class ExpertDispatcher:
         if self._resident_ids:
             ids = torch.stack([i.flatten() for i in self._resident_ids], dim=1).to(torch.int32)  # [pairs, layers]
             self.record.device[:self.pairs, 0, self.resident_rows] = ids
-        self.record.copy_to_host(self.pairs)
+
+    def launched(self) -> StepTicket:
+        """Just after a step's launch (outside any graph): its record's copy to the host, ordered after it."""
+        turn = self.record.copy_to_host(self.pairs)
+        return StepTicket(self.kind is StepKind.PREFILL, self.num_tokens, self.pairs, turn)
 
     def replayed(self, num_tokens: int, padded: int, prefill: bool = False) -> None:
         """A captured step of `padded` tokens (a decode step's, or a prompt's first chunk) ran for `num_tokens`."""
         self.kind = StepKind.PREFILL if prefill else StepKind.DECODE
         self.num_tokens, self.pairs = num_tokens, padded * self.top_k
 
-    def take_record(self) -> StepRecord:
-        """The finished step's record (after it synchronized); remembers its landings for the next step."""
-        is_prefill = self.kind is StepKind.PREFILL
-        self.previous_pairs = 0 if is_prefill else self.pairs
-        return self.record.take(self.pairs, self.num_tokens, is_prefill)
+    def take_record(self, ticket: StepTicket) -> StepRecord:
+        """A finished step's record; remembers its landings for the next step."""
+        self.previous_pairs = 0 if ticket.is_prefill else ticket.pairs
+        return self.record.take(ticket.turn, ticket.pairs, ticket.num_tokens, ticket.is_prefill)
 
     # -- paths ----------------------------------------------------------------------------------------------
     def _tensor_cores(self, x: torch.Tensor) -> bool:

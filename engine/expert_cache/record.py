@@ -1,9 +1,11 @@
 """The step record: how one step routed and where each (token, expert) pair was computed.
 
 The forward pass writes it on the device (the assign step writes the host layers' rows, the end of
-the step the resident layers' expert ids) and copies it to pinned host memory as its last operation;
-after the step's sampling has synchronized, the engine takes a numpy copy (`StepRecord`), which the
-observers (stats, usage, profile, trace) and the policies read while the next step runs.
+the step the resident layers' expert ids); just after the step's launch (a graph's replay or the eager
+forward) one copy takes it to one of two host buffers, in turn, so that a step launched before the last
+one is read (`LLMEngine`'s decode ahead) never writes the copy being read. After the step has finished,
+the engine takes a numpy copy (`StepRecord`), which the observers (stats, usage, profile, trace) and the
+policies read while the next step runs.
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ class StepRecord:
 
 class RecordBuffers:
     """The device record `[max_pairs, 3 (ids, outcome, slot), moe_layers]` (int32: a step's pairs are its
-    first rows, one contiguous copy to the host) and its pinned host copy."""
+    first rows, one contiguous copy to the host) and its two host copies (pinned on CUDA), used in turn."""
 
     def __init__(self, num_layers: int, max_pairs: int, device: torch.device) -> None:
         self.device = torch.zeros((max_pairs, 3, num_layers), dtype=torch.int32, device=device)
-        pin = device.type == "cuda"
-        self.host = torch.zeros(self.device.shape, dtype=torch.int32, pin_memory=pin) if pin else self.device
+        self.host = torch.zeros((2, *self.device.shape), dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.turn = 0  # the host copy the last step's record went to
 
     def layer(self, row: int) -> torch.Tensor:
         """`[max_pairs, 3]` view of one layer's part (what `ops.cache_step.assign_experts` writes)."""
@@ -48,14 +50,16 @@ class RecordBuffers:
         """Every field of the step's pairs -1: ids none, outcome PAD, slot none."""
         self.device[:num_pairs] = -1
 
-    def copy_to_host(self, num_pairs: int) -> None:
-        """The step's last operation: its pairs to pinned memory, one copy (captured in graphs)."""
-        if self.host is not self.device:
-            self.host[:num_pairs].copy_(self.device[:num_pairs], non_blocking=True)
+    def copy_to_host(self, num_pairs: int) -> int:
+        """Just after a step's launch, never inside a graph: its pairs to the next host copy, one copy ordered
+        after the step; returns that copy's index for `take`."""
+        self.turn ^= 1
+        self.host[self.turn, :num_pairs].copy_(self.device[:num_pairs], non_blocking=True)
+        return self.turn
 
-    def take(self, num_pairs: int, num_tokens: int, is_prefill: bool) -> StepRecord:
-        """A host copy of the finished step's record (call after the step synchronized)."""
-        data = self.host[:num_pairs].numpy().transpose(1, 2, 0).copy()  # [3, layers, pairs]
+    def take(self, turn: int, num_pairs: int, num_tokens: int, is_prefill: bool) -> StepRecord:
+        """A numpy copy of a finished step's record (call once the step has finished on the device)."""
+        data = self.host[turn, :num_pairs].numpy().transpose(1, 2, 0).copy()  # [3, layers, pairs]
         return StepRecord(data[0], data[1], data[2], num_tokens, is_prefill)
 
 

@@ -218,11 +218,44 @@ def test_uploads_run_on_the_copy_stream_and_publish_after_their_event(weights: M
     cache.close()
 
 
-def make_engine(path: Path, graphs: bool, **cache: object) -> LLMEngine:
+def make_engine(path: Path, graphs: bool, decode_ahead: str = "auto", **cache: object) -> LLMEngine:
     cfg = EngineConfig(model=ModelConfig(str(path), device="cuda", max_context=256, cuda_graphs=graphs),
                        cache=CacheConfig(**cache), scheduler=SchedulerConfig(max_num_seqs=4,  # type: ignore[arg-type]
-                                                                             max_num_batched_tokens=64))
+                                                                             max_num_batched_tokens=64,
+                                                                             decode_ahead=decode_ahead))
     return LLMEngine(cfg)
+
+
+def test_decode_ahead_replays_graphs_fed_on_the_device_with_the_tokens_of_steps_in_turn(small_moe_gguf: Path) -> None:
+    """Every expert resident, decode steps captured: by default each decode step is launched before the last one is
+    read, its graph's input ids gathered from the last step's sampled tokens on the device; each request's tokens
+    (greedy and seeded, ending at their token limits) equal those of steps read in turn. A cached layout decides
+    between steps: no decode ahead there."""
+    def run(ahead: str) -> tuple[dict[str, list[int]], int]:
+        engine = make_engine(small_moe_gguf, True, ahead)
+        assert engine.decodes_ahead == (ahead == "auto")
+        fed: list[bool] = []
+        replay = engine.runner._replay
+
+        def spy(spans: list, token_ids: list, feed: torch.Tensor | None) -> torch.Tensor:
+            fed.append(feed is not None)
+            return replay(spans, token_ids, feed)
+
+        engine.runner._replay = spy  # type: ignore[method-assign,assignment]
+        for i in range(3):
+            params = SamplingParams(max_tokens=9 + 4 * i, temperature=0 if i < 2 else 0.8, seed=5, ignore_eos=True)
+            engine.add_request(Request(f"r{i}", (1, 2, 3 + 40 * i), params))
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engine._ahead is None
+        return tokens, sum(fed)
+
+    (ahead, fed), (in_turn, fed_in_turn) = run("auto"), run("off")
+    assert ahead == in_turn and [len(ahead[f"r{i}"]) for i in range(3)] == [9, 13, 17]
+    assert fed >= 14 and fed_in_turn == 0
+    assert not make_engine(small_moe_gguf, True, cpu_moe=True, budget_mib=2, miss_mode="stream").decodes_ahead
 
 
 def test_a_server_captures_every_decode_graph_before_its_first_request(small_moe_gguf: Path) -> None:

@@ -16,7 +16,7 @@ from engine.moe import TopKRouter
 from engine.types import Request, RequestError, RequestOutput, SamplingParams
 
 
-def make_engine(path: Path, **sched: int) -> LLMEngine:
+def make_engine(path: Path, **sched: int | str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=ModelConfig(str(path), device="cpu", max_context=256),
                                   scheduler=SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 64,
                                                                **sched})))
@@ -34,9 +34,13 @@ def text_of(outs: list[RequestOutput]) -> str:
     return "".join(o.new_text for o in outs)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_gguf: Path) -> LLMEngine:
-    return make_engine(tiny_gguf)
+@pytest.fixture(scope="module", params=["off", "on"], ids=["in-turn", "decode-ahead"])
+def engine(tiny_gguf: Path, request: pytest.FixtureRequest) -> LLMEngine:
+    """Every test on this engine runs with each step read before the next is launched, and with decode ahead (the
+    next decode step launched, fed on the device, before the last one's tokens are read)."""
+    engine = make_engine(tiny_gguf, decode_ahead=request.param)
+    assert engine.decodes_ahead == (request.param == "on")
+    return engine
 
 
 def prompt(engine: LLMEngine, text: str = "The quick brown fox") -> tuple[int, ...]:
@@ -162,8 +166,9 @@ def test_the_router_forgets_each_ended_request_before_the_next_step(engine: LLME
         engine.set_router(spy.inner)
 
 
-def test_more_requests_than_slots_all_finish(tiny_gguf: Path) -> None:
-    engine = make_engine(tiny_gguf, max_num_seqs=2, max_num_batched_tokens=16)
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_more_requests_than_slots_all_finish(tiny_gguf: Path, ahead: str) -> None:
+    engine = make_engine(tiny_gguf, max_num_seqs=2, max_num_batched_tokens=16, decode_ahead=ahead)
     for i in range(5):
         engine.add_request(Request(f"r{i}", prompt(engine, f"request number {i} " * 3),
                                    SamplingParams(max_tokens=5, ignore_eos=True)))
@@ -171,6 +176,43 @@ def test_more_requests_than_slots_all_finish(tiny_gguf: Path) -> None:
     assert sorted(outs) == [f"r{i}" for i in range(5)]
     assert all(o[-1].finish_reason == "length" for o in outs.values())
     assert engine.stats().num_running == 0 and engine.scheduler.free_slots
+
+
+def test_decode_ahead_gives_the_tokens_of_steps_in_turn_and_drops_the_rows_of_ended_sequences(tiny_gguf: Path) -> None:
+    """Four sequences end mid-batch in every way (a stop token, a stop string, their token limits) while steps are
+    launched ahead: each request's tokens, text and finish reason are those of steps read in turn, steps did run
+    ahead, and a sequence's row of a step ahead after its end reached no output."""
+    def run(ahead: str) -> tuple[dict[str, tuple[list[int], str, str | None]], int]:
+        engine = make_engine(tiny_gguf, decode_ahead=ahead)
+        fed: list[bool] = []
+        forward = engine.runner.forward
+
+        def spy(spans: list, token_ids: list, logits_from: list | None = None, feed: object = None) -> torch.Tensor:
+            fed.append(feed is not None)
+            return forward(spans, token_ids, logits_from, feed)
+
+        engine.runner.forward = spy  # type: ignore[method-assign,assignment]
+        free = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        engine.add_request(Request("free", prompt(engine), free))
+        ids = [t for o in run_all(engine)["free"] for t in o.new_token_ids]
+        text = engine.tokenizer.decode(ids)
+        requests = {"token": SamplingParams(max_tokens=30, temperature=0, stop_token_ids=(ids[6],)),
+                    "string": SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=(text[12:15],)),
+                    "short": SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                    "seeded": SamplingParams(max_tokens=19, temperature=0.9, seed=7, ignore_eos=True)}
+        for name, params in requests.items():  # the last two continue other prompts
+            engine.add_request(Request(name, prompt(engine, "Once upon a time" if params.max_tokens < 30 else
+                                                    "The quick brown fox"), params))
+        outs = run_all(engine)
+        assert not engine.has_unfinished() and engine._ahead is None
+        return {k: ([t for o in v for t in o.new_token_ids], text_of(v), v[-1].finish_reason)
+                for k, v in outs.items()}, sum(fed)
+
+    in_turn, fed_in_turn = run("off")
+    ahead, fed_ahead = run("on")
+    assert ahead == in_turn and fed_in_turn == 0 and fed_ahead > 10
+    assert [in_turn[k][2] for k in ("token", "string", "short", "seeded")] == ["stop", "stop", "length", "length"]
+    assert len(in_turn["short"][0]) == 4 and len(in_turn["seeded"][0]) == 19
 
 
 def test_held_back_and_text_output(engine: LLMEngine) -> None:
