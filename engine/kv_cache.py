@@ -71,14 +71,12 @@ class KVCache:
         return self.k_qtype, self.v_qtype
 
     def write(self, layer: int, slot_ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor | None) -> None:
-        """k, v: `[tokens, kv_heads, head_dim]` stored at (slot, position) of each token (v None: a latent cache)."""
+              v: torch.Tensor) -> None:
+        """k, v: `[tokens, kv_heads, head_dim]` stored at (slot, position) of each token. A latent cache's entries are
+        stored by the launch that computes them (`ops.fused.mla_qk`)."""
         if self.is_latent:
-            self.k[layer][slot_ids, :, positions] = k
-        elif v is None:
-            raise ValueError("a key/value cache needs the values too")
-        else:
-            write_kv(self.k[layer], self.v[layer], slot_ids, positions, k, v, *self.qtypes)
+            raise ValueError("a latent cache is written by ops.fused.mla_qk")
+        write_kv(self.k[layer], self.v[layer], slot_ids, positions, k, v, *self.qtypes)
 
     def plain_write(self, layer: int, slot_ids: torch.Tensor, v: torch.Tensor) -> KVWrite | None:
         """The layer's caches for the launch that rotates the keys to store into (`ops.fused.qk_norm_rope`), with

@@ -186,12 +186,13 @@ class Model:
             inv_freq = self.swa_inv_freq if self.hp.is_sliding(i) else self.inv_freq
             q, k, v = gemma4.project(a, x, batch.positions, inv_freq, self.hp.rms_eps)
             if k is not None:
+                assert v is not None, "a layer that computes keys computes their values"
                 kv.write(i, batch.slot_ids, batch.positions, k, v)
             # NOTE: a shared-KV layer reads the cache of a layer of its kind: the same window
             return linear(self.attend(self.hp.kv_layer(i), q, batch, kv, None).reshape(x.shape[0], -1), a.o)
         if isinstance(a, MLAttention):
-            q, latent = deepseek2.project_qk(a, self.hp, x, batch.positions, self.inv_freq, self.rope_gain)
-            kv.write(i, batch.slot_ids, batch.positions, latent, None)
+            q = deepseek2.project_q(a, self.hp, x, batch.positions, self.inv_freq, self.rope_gain, kv.k[i],
+                                    batch.slot_ids)
             return deepseek2.project_out(a, self.attend(i, q, batch, kv, None))
         hp, n = self.hp, x.shape[0]
         qkv = linear(x, a.qkv, a.qkv_bias)

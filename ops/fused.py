@@ -124,6 +124,51 @@ def qk_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor | None, positions: t
     return out
 
 
+MLA_FUSED_TOKENS = 64  # a step of at most this many tokens projects MLA's q and latent in one launch (decode)
+
+
+def mla_qk(q: torch.Tensor, kv: torch.Tensor, k_b: torch.Tensor, kv_norm: torch.Tensor, positions: torch.Tensor,
+           inv_freq: torch.Tensor, style: RopeStyle, eps: float, rope_gain: float, cache: torch.Tensor,
+           slot_ids: torch.Tensor) -> torch.Tensor:
+    """Multi-head latent attention's query and cache entry (DeepSeek-V2/V3, `engine.arch.deepseek2`): q `[tokens,
+    heads, nope + rope]` and kv `[tokens, kv_lora_rank + rope]` (the projections, any row strides) -> the query in the
+    latent space `[tokens, heads, kv_lora_rank + rope]`: the nope part times the key decompression k_b `[heads,
+    kv_lora_rank, nope]` (absorbed), the rope part rotated at `positions` and scaled by `rope_gain`. The token's entry
+    (the RMS-normed latent with kv_norm `[kv_lora_rank]`, the rotated shared key) is stored at (slot, position) of the
+    layer's latent cache `[slots, 1, max_len, kv_lora_rank + rope]`. One launch on the GPU for a decode step's
+    tokens (at most `MLA_FUSED_TOKENS`); else the dispatched ops, as `mla_qk_torch`."""
+    if _fused(q) and q.shape[0] <= MLA_FUSED_TOKENS:
+        from ops.triton import mla
+        return mla.mla_qk(q, kv, k_b, kv_norm, positions, inv_freq, style, eps, rope_gain, cache, slot_ids)
+    return mla_qk_torch(q, kv, k_b, kv_norm, positions, inv_freq, style, eps, rope_gain, cache, slot_ids)
+
+
+def mla_qk_torch(q: torch.Tensor, kv: torch.Tensor, k_b: torch.Tensor, kv_norm: torch.Tensor,
+                 positions: torch.Tensor, inv_freq: torch.Tensor, style: RopeStyle, eps: float, rope_gain: float,
+                 cache: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    rank, nope = k_b.shape[1], k_b.shape[2]
+    q_nope, q_rot = q.split([nope, q.shape[2] - nope], dim=-1)
+    q_rot = qk_norm_rope(q_rot, None, positions, inv_freq, style, eps)
+    k_rot = qk_norm_rope(kv[:, None, rank:], None, positions, inv_freq, style, eps)
+    q_latent = torch.einsum("nhd,hrd->nhr", q_nope, k_b)
+    cache[slot_ids, :, positions] = torch.cat([rms_norm(kv[:, :rank], kv_norm, eps)[:, None], k_rot], dim=-1)
+    return torch.cat([q_latent, q_rot if rope_gain == 1.0 else q_rot * rope_gain], dim=-1)
+
+
+def mla_out(out: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """The latent attention's output `[tokens, heads, kv_lora_rank]` decompressed by v_b `[heads, v_dim,
+    kv_lora_rank]` -> `[tokens, heads * v_dim]` (the output projection's input); one launch on the GPU for a decode
+    step's tokens."""
+    if _fused(out) and out.shape[0] <= MLA_FUSED_TOKENS:
+        from ops.triton import mla
+        return mla.mla_out(out, v_b)
+    return mla_out_torch(out, v_b)
+
+
+def mla_out_torch(out: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("nhr,hvr->nhv", out, v_b).reshape(out.shape[0], -1)
+
+
 def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool,
                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits `[tokens, experts]` -> expert ids (-1 where token_mask is False) and float32

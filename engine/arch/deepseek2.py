@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from engine.arch.base import MLA, ArchSpec, HParams, TensorSource, layer_tensor, yarn_mscale
-from ops.fused import linear, qk_norm_rope, rms_norm
+from ops.fused import linear, mla_out, mla_qk, rms_norm
 from ops.qweight import Matrix
 
 YARN_LOG_MUL_UNIT = 0.1  # llama.cpp's converter writes 0.1 x mscale_all_dim as the YaRN log multiplier
@@ -109,27 +109,22 @@ def softmax_scale(hp: HParams) -> float:
     return mscale * mscale / (m.nope_dim + m.rope_dim) ** 0.5
 
 
-def project_qk(a: MLAttention, hp: HParams, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               rope_gain: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[tokens, hidden]` -> q `[tokens, heads, kv_lora_rank + rope_dim]` (its nope part moved into the
-    latent space) and the cache entry `[tokens, 1, kv_lora_rank + rope_dim]` (normed latent, rotated key).
-    `rope_gain` multiplies q's rotary part: YaRN's cos/sin magnitude, squared, on the q side only."""
+def project_q(a: MLAttention, hp: HParams, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+              rope_gain: float, cache: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """x `[tokens, hidden]` -> q `[tokens, heads, kv_lora_rank + rope_dim]` (its nope part moved into the latent
+    space); each token's cache entry (normed latent, rotated key) stored into the layer's latent cache `[slots, 1,
+    max_len, kv_lora_rank + rope_dim]` (`ops.fused.mla_qk`). `rope_gain` multiplies q's rotary part: YaRN's cos/sin
+    magnitude, squared, on the q side only."""
     m, n, eps = hp.mla, x.shape[0], hp.rms_eps
     assert m is not None, "deepseek2 hyperparameters carry their MLA shapes"
     q, kv = linear(x, a.in_proj).split([a.q_rows, m.latent_dim], dim=-1)
     if a.q_b is not None:
         assert a.q_a_norm is not None, "a q LoRA comes with its norm"
         q = linear(rms_norm(q, a.q_a_norm, eps), a.q_b)
-    q_nope, q_rot = q.view(n, hp.num_heads, m.nope_dim + m.rope_dim).split([m.nope_dim, m.rope_dim], dim=-1)
-    q_rot = qk_norm_rope(q_rot, None, positions, inv_freq, ARCH.rope_style, eps)
-    k_rot = qk_norm_rope(kv[:, None, m.kv_lora_rank:], None, positions, inv_freq, ARCH.rope_style, eps)
-    q_latent = torch.einsum("nhd,hrd->nhr", q_nope, a.k_b)
-    latent = rms_norm(kv[:, :m.kv_lora_rank], a.kv_a_norm, eps)
-    gained = q_rot if rope_gain == 1.0 else q_rot * rope_gain
-    return torch.cat([q_latent, gained], dim=-1), torch.cat([latent[:, None], k_rot], dim=-1)
+    return mla_qk(q.view(n, hp.num_heads, m.nope_dim + m.rope_dim), kv, a.k_b, a.kv_a_norm, positions, inv_freq,
+                  ARCH.rope_style, eps, rope_gain, cache, slot_ids)
 
 
 def project_out(a: MLAttention, out: torch.Tensor) -> torch.Tensor:
     """The attention's output in latent space `[tokens, heads, kv_lora_rank]` -> `[tokens, hidden]`."""
-    values = torch.einsum("nhr,hvr->nhv", out, a.v_b)
-    return linear(values.reshape(out.shape[0], -1), a.o)
+    return linear(mla_out(out, a.v_b), a.o)

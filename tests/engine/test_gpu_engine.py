@@ -378,6 +378,23 @@ def test_gemma4_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], ca
         assert rel_error(gpu, cpu) < bound
 
 
+def test_deepseek2_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path]) -> None:
+    """deepseek2-tiny on the device (captured decode steps: MLA's query and latent entry in one launch, its output
+    decompressed in one, `ops.triton.mla`; the prompt through the composed ops) gives the CPU's float32 logits over
+    24 teacher-forced steps of two sequences."""
+    path = preset_gguf("deepseek2-tiny")
+    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
+    logits = {}
+    for device in ("cuda", "cpu"):
+        cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
+                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+        engine = LLMEngine(cfg)
+        logits[device] = teacher_forced_logits(engine, prompts, 24)
+        assert device == "cpu" or engine.runner.graphs
+    for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
+        assert rel_error(gpu, cpu) < 1e-3
+
+
 @pytest.mark.parametrize("model", ["gpt-oss-tiny", "gemma4-tiny"])
 def test_quantized_kv_cache_beside_windows_sinks_and_wide_heads(preset_gguf: Callable[[str], Path],
                                                                model: str) -> None:
