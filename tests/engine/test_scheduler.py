@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.scheduler import Scheduler
+from engine.scheduler import FED, Scheduler
 from engine.types import Request, RequestError, SamplingParams
 
 
@@ -115,3 +115,40 @@ def test_prompts_beside_running_decodes_take_at_most_their_share_of_a_step() -> 
     assert run_step(unlimited) == {"a": (3, 1, True), "b": (0, 20, True)}
     with pytest.raises(ValueError, match="prefill_while_decoding"):
         SchedulerConfig(prefill_while_decoding=-1)
+
+
+def test_a_step_scheduled_ahead_decodes_the_same_sequences_before_their_tokens_are_known() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64))
+    s.add(Request("a", (1, 2, 3), SamplingParams(max_tokens=5)))
+    s.add(Request("b", (4, 5), SamplingParams(max_tokens=1)))
+    assert not s.can_schedule_ahead()  # nothing runs yet
+    s.schedule()  # both prompts whole: each awaits its first token
+    assert s.can_schedule_ahead()
+    ahead = s.schedule_ahead()  # b's first token ends it (its limit): only a decodes ahead, at position 3
+    assert [(q.request_id, q.start, q.token_ids, q.samples) for q in ahead.seqs] == [("a", 3, (FED,), True)]
+    assert not s.can_schedule_ahead()  # the prompt step's tokens are not appended yet
+    assert s.append_token("a", 9) is None and s.append_token("b", 8) == "length"
+    s.finish("b")
+    assert s.can_schedule_ahead()  # a awaits the token of the step ahead: the next one can go ahead too
+    second = s.schedule_ahead()
+    assert second.finished_ids == ("b",) and [(q.start, q.token_ids) for q in second.seqs] == [(4, (FED,))]
+    s.append_token("a", 10)
+    s.append_token("a", 11)  # the tokens of both steps ahead read: a decodes in turn again, 11 at position 5
+    assert not s.can_schedule_ahead() and run_step(s) == {"a": (5, 1, True)}
+
+
+def test_no_step_ahead_while_a_prompt_prefills_or_can_take_a_free_slot() -> None:
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4))
+    s.add(req("a", 2))
+    s.schedule()
+    assert s.can_schedule_ahead()
+    s.add(req("b", 9))  # waits, and a slot is free
+    assert not s.can_schedule_ahead()
+    s.append_token("a", 7)
+    s.schedule()  # a decodes, b's first chunk (3 tokens) prefills
+    assert not s.can_schedule_ahead()  # b prefills
+    s.add(req("c", 2))  # waits, and no slot is free
+    while s.requests["b"].num_computed < s.requests["b"].num_tokens:
+        s.append_token("a", 7)
+        s.schedule()
+    assert s.num_waiting == 1 and s.can_schedule_ahead()  # a and b await their tokens; c's wait takes no slot
