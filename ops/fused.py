@@ -261,13 +261,20 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def _fits_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_qtype: QType | None,
                            v_qtype: QType | None, max_head_dim: int = 256) -> bool:
     """The Triton kernels' shapes: one head size for q, k and v, a power of two in [16, max_head_dim] (the caches'
-    rows that many values, or their quantized bytes; decode takes Gemma 4's 512)."""
+    rows that many values, or their quantized bytes; decode takes Gemma 4's 512); or a latent cache (unquantized,
+    values narrower than the keys, both parts powers of two: MLA's 512 + 64)."""
     head_dim = q.shape[-1]
-    if not (16 <= head_dim <= max_head_dim and head_dim & (head_dim - 1) == 0) or \
+    value_dim = v_cache.shape[-1] if k_qtype is None and v_qtype is None and v_cache.shape[-1] < head_dim else head_dim
+    rope = head_dim - value_dim
+    if not _is_pow2_in(value_dim, max_head_dim) or (rope and not _is_pow2_in(rope, max_head_dim)) or \
             k_cache.shape[:-1] != v_cache.shape[:-1]:
         return False
-    return all(cache.shape[-1] == (head_dim if qtype is None else row_bytes(qtype, head_dim, q.dtype))
-               for cache, qtype in ((k_cache, k_qtype), (v_cache, v_qtype)))
+    return all(cache.shape[-1] == (dim if qtype is None else row_bytes(qtype, dim, q.dtype))
+               for cache, qtype, dim in ((k_cache, k_qtype, head_dim), (v_cache, v_qtype, value_dim)))
+
+
+def _is_pow2_in(dim: int, largest: int) -> bool:
+    return 16 <= dim <= largest and dim & (dim - 1) == 0
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,

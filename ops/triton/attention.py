@@ -8,6 +8,10 @@ by their log-sum-exp. Splits past a token's position (or before its window) do n
 positions and the grid from the shapes only, so a step can be captured in a CUDA graph. This
 replaces a gather (a full copy of K/V), a mask and SDPA.
 
+Multi-head latent attention (DeepSeek) reads a latent cache: each key is its row of `head_dim` values, each value
+the first `value_dim` of them (the caches are views of one tensor), and every head of a token shares the one kv
+head. The rest of the key (`head_dim - value_dim`, the rotary part) adds a second product to the scores.
+
 A cache of q8_0 or q4_0 rows (`ops.kv_quant`) is dequantized tile by tile as the kernels read it, to q's
 dtype, the same values as the torch reference's dequantized cache. `prefill_attention` is the causal
 attention of a chunk of one sequence over such a cache (an unquantized one goes through SDPA), and the
@@ -91,10 +95,11 @@ def _first_position(last, window):
 @triton.jit
 def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_ids, positions, max_len,
                   split_len, window, sinks, o, lse, qk_scale, GROUP: tl.constexpr, BG: tl.constexpr,
-                  BN: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                  BN: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                   SINKS: tl.constexpr, WIDEN: tl.constexpr):
     # program (token, kv head, split); rows of the tile are the group's q heads (padded to BG >= 16
     # for tl.dot), so K/V is read once per group. Scores are in the log2 domain (exp2 is cheaper).
+    # D: the values' width and the keys' first columns; ROPE > 0: the keys' D.. D + ROPE columns (a latent cache)
     token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads, num_splits = tl.num_programs(1) * GROUP, tl.num_programs(2)
     slot = tl.load(slot_ids + token).to(tl.int64)
@@ -106,6 +111,10 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
     heads = kv_head * GROUP + rows
     q_ptrs = q + token.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + cols[None, :]
     q_tile = tl.load(q_ptrs, mask=rows[:, None] < GROUP, other=0.0)
+    if ROPE:
+        rope_cols = D + tl.arange(0, ROPE)
+        q_rope = tl.load(q + token.to(tl.int64) * q_s0 + heads[:, None] * q_s1 + rope_cols[None, :],
+                         mask=rows[:, None] < GROUP, other=0.0)
     k_base = k + slot * k_s0 + kv_head * k_s1
     v_base = v + slot * v_s0 + kv_head * v_s1
     m = tl.full([BG], float("-inf"), tl.float32)
@@ -121,8 +130,11 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
         valid = offs < end
         kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], q.dtype.element_ty, K_BITS,
                       WIDEN)  # [D, BN]
-        s = _dot(q_tile, kt, WIDEN) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = _dot(q_tile, kt, WIDEN)
+        if ROPE:
+            s += _dot(q_rope, tl.load(k_base + offs[None, :] * k_s2 + rope_cols[:, None], mask=valid[None, :],
+                                      other=0.0), WIDEN)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds a valid position
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -172,16 +184,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      positions: torch.Tensor, scale: float, num_splits: int | None = None,
                      k_qtype: QType | None = None, v_qtype: QType | None = None, window: int = 0,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q `[n, num_heads, head_dim]`; k_cache, v_cache `[num_slots, kv_heads, max_len, head_dim]` (any
-    strides but the last: a view of the first `length` positions splits by `length`); slot_ids,
-    positions int32/int64 `[n]` -> `[n, num_heads, head_dim]` in q's dtype. Token i attends to
+    """q `[n, num_heads, head_dim]`; k_cache `[num_slots, kv_heads, max_len, head_dim]`, v_cache `[num_slots,
+    kv_heads, max_len, value_dim]` (any strides but the last: a view of the first `length` positions splits by
+    `length`; value_dim = head_dim, or a latent cache's narrower values, a power of two the keys exceed by another);
+    slot_ids, positions int32/int64 `[n]` -> `[n, num_heads, value_dim]` in q's dtype. Token i attends to
     positions 0..positions[i] of slot slot_ids[i] (the last `window` of them where window > 0); head h reads kv
     head h // (num_heads // kv_heads). sinks: float32 `[num_heads]`, a logit per head that joins each softmax and
     adds nothing (`ops.fused.attention`).
     num_splits: chunks of the positions (None: `default_num_splits`, from the shapes only).
     k_qtype, v_qtype: a cache of q8_0 / q4_0 rows, uint8 `[..., row_bytes]` (None: rows in q's dtype).
     NOTE: slot_ids in [0, num_slots) and positions in [0, max_len) are not checked (no host sync)."""
-    n, num_heads, head_dim = _check_caches(q, k_cache, v_cache, k_qtype, v_qtype)
+    n, num_heads, head_dim, value_dim = _check_caches(q, k_cache, v_cache, k_qtype, v_qtype)
     check_vector("slot_ids", slot_ids, n, INDEX_DTYPES, q.device)
     check_vector("positions", positions, n, INDEX_DTYPES, q.device)
     if window < 0:
@@ -189,7 +202,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if sinks is not None:
         check_vector("sinks", sinks, num_heads, (torch.float32,), q.device)
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty((n, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((n, num_heads, value_dim), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
     # K and V tiles of at most 16 KiB each: no register spills on sm_90 at 8 warps (checked in ptxas)
@@ -200,22 +213,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split_len = triton.cdiv(triton.cdiv(max_len, wanted), block_n) * block_n
     splits = triton.cdiv(max_len, split_len)  # none entirely past max_len
     group = num_heads // kv_heads
-    o = out if splits == 1 else torch.empty((n, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    o = out if splits == 1 else torch.empty((n, num_heads, splits, value_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((n, num_heads, splits), dtype=torch.float32, device=q.device)
     _split_kernel[(n, kv_heads, splits)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, *k_cache.stride()[:3], *v_cache.stride()[:3],
         slot_ids, positions, max_len, split_len, window, lse if sinks is None else sinks, o, lse, scale * _LOG2E,
-        GROUP=group, BG=max(16, triton.next_power_of_2(group)), BN=block_n, D=head_dim,
+        GROUP=group, BG=max(16, triton.next_power_of_2(group)), BN=block_n, D=value_dim, ROPE=head_dim - value_dim,
         K_BITS=KV_BITS[k_qtype], V_BITS=KV_BITS[v_qtype], SINKS=sinks is not None,
         WIDEN=interpreting() and q.dtype == torch.bfloat16, num_warps=8)
     if splits > 1:
-        _combine_kernel[(n, num_heads)](o, lse, positions, max_len, split_len, splits, window, out, D=head_dim,
-                                        num_warps=1 if head_dim <= 128 else 2)
+        _combine_kernel[(n, num_heads)](o, lse, positions, max_len, split_len, splits, window, out, D=value_dim,
+                                        num_warps=1 if value_dim <= 128 else 2)
     return out
 
 
 def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_qtype: QType | None,
-                  v_qtype: QType | None) -> tuple[int, int, int]:
+                  v_qtype: QType | None) -> tuple[int, int, int, int]:
+    """(n, num_heads, head_dim, value_dim) of a decode attention's arguments."""
     device = q.device
     check_device("q", q, device)
     if q.dtype not in FLOAT_DTYPES:
@@ -224,17 +238,30 @@ def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"q: expected [n, num_heads, head_dim] with contiguous rows, got {tuple(q.shape)} "
                          f"strides {q.stride()}")
     n, num_heads, head_dim = q.shape
-    if head_dim < 16 or head_dim > 512 or head_dim & (head_dim - 1):
-        raise ValueError(f"q: head_dim must be a power of two in [16, 512], got {head_dim}")
-    for name, cache, qtype in (("k_cache", k_cache, k_qtype), ("v_cache", v_cache, v_qtype)):
-        _check_cache(name, cache, qtype, q.dtype, head_dim, device)
+    value_dim = latent_value_dim(head_dim, v_cache, k_qtype, v_qtype)
+    if not _is_kernel_dim(value_dim) or (value_dim != head_dim and not _is_kernel_dim(head_dim - value_dim)):
+        raise ValueError(f"q: head_dim must be a power of two in [16, 512], or a latent cache's values that and its "
+                         f"keys another more; got {head_dim} and values {value_dim}")
+    _check_cache("k_cache", k_cache, k_qtype, q.dtype, head_dim, device)
+    _check_cache("v_cache", v_cache, v_qtype, q.dtype, value_dim, device)
     if v_cache.shape[:3] != k_cache.shape[:3]:
         raise ValueError(f"v_cache: expected the slots, kv heads and positions of k_cache {tuple(k_cache.shape)}, "
                          f"got {tuple(v_cache.shape)}")
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
     if kv_heads == 0 or num_heads % kv_heads or max_len == 0:
         raise ValueError(f"k_cache: {kv_heads} kv heads and {max_len} positions do not serve {num_heads} heads")
-    return n, num_heads, head_dim
+    return n, num_heads, head_dim, value_dim
+
+
+def latent_value_dim(head_dim: int, v_cache: torch.Tensor, k_qtype: QType | None, v_qtype: QType | None) -> int:
+    """The values' width: a latent cache's (unquantized, narrower than the keys), else head_dim."""
+    if k_qtype is None and v_qtype is None and v_cache.dim() == 4 and v_cache.shape[3] < head_dim:
+        return int(v_cache.shape[3])
+    return head_dim
+
+
+def _is_kernel_dim(dim: int) -> bool:
+    return 16 <= dim <= 512 and dim & (dim - 1) == 0
 
 
 def _check_cache(name: str, cache: torch.Tensor, qtype: QType | None, dtype: torch.dtype, head_dim: int,
@@ -297,7 +324,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """Causal attention of one sequence's chunk: q `[n, num_heads, head_dim]` at positions start..start+n-1
     of slot `slot` of the caches (as `decode_attention`'s), whose positions 0..start+n-1 hold its keys and
     values -> `[n, num_heads, head_dim]` in q's dtype; token i attends to positions 0..start+i."""
-    n, num_heads, head_dim = _check_caches(q, k_cache, v_cache, k_qtype, v_qtype)
+    n, num_heads, head_dim, value_dim = _check_caches(q, k_cache, v_cache, k_qtype, v_qtype)
+    if value_dim != head_dim:
+        raise ValueError(f"v_cache: the prefill kernel reads values as wide as the keys ({head_dim}), got {value_dim} "
+                         f"(a latent cache's prompt goes through SDPA)")
     num_slots, kv_heads, max_len = k_cache.shape[:3]
     if not 0 <= slot < num_slots or start < 0 or start + n > max_len:
         raise ValueError(f"slot {slot} and positions {start}..{start + n - 1} are outside the caches' "
@@ -417,7 +447,7 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """The reference: per token, the slot's keys up to its position (the last `window` of them where window > 0;
     dequantized to q's dtype), kv heads repeated, float32 softmax with each head's sink logit beside the scores."""
     group, head_dim = q.shape[1] // k_cache.shape[1], q.shape[2]
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:2], latent_value_dim(head_dim, v_cache, k_qtype, v_qtype)))
     for i in range(q.shape[0]):
         slot, last = int(slot_ids[i]), int(positions[i])
         first = max(0, last - window + 1) if window else 0

@@ -59,6 +59,7 @@ class Case:
     v_qtype: QType | None = None
     window: int = 0  # each token attends to the last `window` positions up to its own (0: all)
     sinks: bool = False  # a random sink logit per head
+    value_dim: int | None = None  # a latent cache (MLA): the values are the keys' first value_dim columns
 
     @property
     def qtypes(self) -> tuple[QType | None, QType | None]:
@@ -85,6 +86,8 @@ def random_inputs(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
         k = quantize_rows(k, case.k_qtype)
     if case.v_qtype is not None:
         v = quantize_rows(v, case.v_qtype)
+    if case.value_dim is not None:
+        v = k[..., :case.value_dim]  # one tensor: the latent, the rotary key after it
     return q, k, v, slot_ids[order], positions[order]
 
 
@@ -282,6 +285,15 @@ def test_sliding_windows_and_sinks(heads: tuple[int, int, int], sinks: bool, win
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_latent_cache(dtype: torch.dtype, num_tokens: int) -> None:
+    # DeepSeek-V2-Lite's MLA: 16 heads over one latent kv head of 512 values and a 64-wide rotary key after them
+    run_case(Case(num_tokens, 16, 1, 576, dtype, max_len=2048, value_dim=512), CUDA, fresh_seed())
+    run_case(Case(num_tokens, 16, 1, 576, dtype, max_len=256, value_dim=512, view_len=200), CUDA, fresh_seed())
+
+
+@pytest.mark.gpu
 def test_view_of_a_kv_length_bucket() -> None:
     # the cache sliced to the first `length` positions (strided slots): splits follow `length`
     run_case(Case(4, 32, 4, 128, max_len=2048, view_len=520), CUDA, fresh_seed())
@@ -388,6 +400,8 @@ INTERPRETER_CASES = [
     Case(2, 8, 2, 32, torch.bfloat16, max_len=150, window=20),
     Case(2, 4, 1, 64, torch.float32, max_len=100, num_splits=3, sinks=True),
     Case(2, 4, 2, 512, torch.float32, max_len=40, num_splits=2, window=16),
+    Case(3, 4, 1, 48, torch.float32, max_len=100, num_splits=3, value_dim=32),
+    Case(2, 8, 1, 48, torch.bfloat16, max_len=60, value_dim=32, view_len=50),
 ]
 INTERPRETER_CHECKS = [(str(c), lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("validation", lambda seed: check_rejects_bad_inputs(torch.device("cpu"))))
