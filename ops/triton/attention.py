@@ -205,8 +205,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty((n, num_heads, value_dim), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    # K and V tiles of at most 16 KiB each: no register spills on sm_90 at 8 warps (checked in ptxas)
-    block_n = max(16, min(64, 8192 // head_dim // (q.element_size() // 2)))
+    # K and V tiles of at most 16 KiB each: no register spills on sm_90 at 8 warps (checked in ptxas); a power of two
+    block_n = max(16, min(64, 1 << (8192 // head_dim // (q.element_size() // 2)).bit_length() - 1))
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected at least 1, got {num_splits}")
     wanted = num_splits or default_num_splits(n, kv_heads, max_len)
