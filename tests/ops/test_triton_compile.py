@@ -1,5 +1,6 @@
-"""The grouped expert kernels, the block-end norms, the gated activation and decode attention compile for the H200
-(sm90) on a machine without a GPU, and the decode kernels' weight loops spill no more than they do today.
+"""The grouped expert kernels, the block-end norms, the gated activation, decode attention and MLA's decode kernels
+compile for the H200 (sm90) on a machine without a GPU, and the decode kernels' weight loops spill no more than they
+do today.
 
 Triton's interpreter runs the kernels' semantics on the CPU (tests/ops/test_triton_experts.py) but lets through what
 only the compiler refuses (a global that is not a constexpr, a type that differs between branches): here each
@@ -22,6 +23,7 @@ from ops.triton.attention import _split_kernel  # noqa: E402
 from ops.triton.down import _down_kernel  # noqa: E402
 from ops.triton.fused import _gated_act_kernel, _qk_norm_rope_kernel, _sandwich_kernel  # noqa: E402
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
+from ops.triton.mla import OUT_ROWS, QK_ROWS, _mla_out_kernel, _mla_qk_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
 from ops.triton.qdot import KERNEL_TYPES, step_blocks  # noqa: E402
 from tools.sass_loops import NVDISASM, PREFILL_TYPES, compile_sm90, weight_loops  # noqa: E402
@@ -120,8 +122,24 @@ def test_sandwich_norm_compiles_for_sm90(shape: tuple[bool, bool, bool, int]) ->
 def test_decode_attention_with_windows_and_sinks_compiles_for_sm90(head_dim: int) -> None:
     types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "lse": "*fp32", "sinks": "*fp32",
              "slot_ids": "*i64", "positions": "*i64", "qk_scale": "fp32"}
-    compile_for_sm90(_split_kernel, types, dict(GROUP=8, BG=16, BN=max(16, 8192 // head_dim), D=head_dim, K_BITS=0,
-                                                V_BITS=0, SINKS=True, WIDEN=False), num_warps=8)
+    compile_for_sm90(_split_kernel, types, dict(GROUP=8, BG=16, BN=max(16, 8192 // head_dim), D=head_dim, ROPE=0,
+                                                K_BITS=0, V_BITS=0, SINKS=True, WIDEN=False), num_warps=8)
+
+
+@needs_backend
+def test_mla_decode_kernels_compile_for_sm90() -> None:
+    """DeepSeek-V2-Lite's decode step: the latent attention (16 heads, 512-wide values, a 64-wide rotary key), the
+    query and cache entry, the output's decompression."""
+    types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "lse": "*fp32", "sinks": "*fp32",
+             "slot_ids": "*i64", "positions": "*i64", "qk_scale": "fp32"}
+    compile_for_sm90(_split_kernel, types, dict(GROUP=16, BG=16, BN=16, D=512, ROPE=64, K_BITS=0, V_BITS=0,
+                                                SINKS=False, WIDEN=False), num_warps=8)
+    compile_for_sm90(_mla_qk_kernel, {"q": "*bf16", "kv": "*bf16", "k_b": "*bf16", "kv_norm": "*bf16", "out": "*bf16",
+                                      "cache": "*bf16", "positions": "*i64", "slot_ids": "*i64", "inv_freq": "*fp32",
+                                      "eps": "fp32", "gain": "fp32"},
+                     dict(NEOX=False, NOPE=128, RANK=512, HALF=32, ROWS=QK_ROWS), num_warps=4)
+    compile_for_sm90(_mla_out_kernel, {"x": "*bf16", "v_b": "*bf16", "out": "*bf16"}, dict(RANK=512, ROWS=OUT_ROWS),
+                     num_warps=4)
 
 
 @needs_backend
