@@ -380,8 +380,11 @@ def test_gemma4_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], ca
 
 def test_deepseek2_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path]) -> None:
     """deepseek2-tiny on the device (captured decode steps: MLA's query and latent entry in one launch, its output
-    decompressed in one, `ops.triton.mla`; the prompt through the composed ops) gives the CPU's float32 logits over
-    24 teacher-forced steps of two sequences."""
+    decompressed in one, `ops.triton.mla`, its attention over the latent cache in the split-K kernel) gives the CPU's
+    float32 logits over 24 teacher-forced steps of two sequences. NOTE: within 2.3e-3 on an H100 (2026-12-07), where
+    gemma4-tiny's steps are within 1e-3: its V3 routing (sigmoid scores times 2.5 over groups) carries the devices'
+    last-bit differences further; the same kernels under Triton's interpreter gave the CPU's logits within 2.2e-5
+    (docs/kernels.md). A wrong head, position or latent column errs by 0.1 or more."""
     path = preset_gguf("deepseek2-tiny")
     prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
     logits = {}
@@ -392,7 +395,7 @@ def test_deepseek2_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path])
         logits[device] = teacher_forced_logits(engine, prompts, 24)
         assert device == "cpu" or engine.runner.graphs
     for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
-        assert rel_error(gpu, cpu) < 1e-3
+        assert rel_error(gpu, cpu) < 5e-3
 
 
 @pytest.mark.parametrize("model", ["gpt-oss-tiny", "gemma4-tiny"])

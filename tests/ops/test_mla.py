@@ -42,7 +42,7 @@ def check_qk(tokens: int, heads: int, nope: int, rank: int, rope: int, style: st
     q, kv = proj[:, :q_rows].view(tokens, heads, nope + rope), proj[:, q_rows:]
     k_b = (torch.randn(heads, rank, nope, generator=gen) / nope ** 0.5).to(dtype)
     kv_norm = (torch.rand(rank, generator=gen) + 0.5).to(dtype)
-    slots, max_len = 4, 64
+    slots, max_len = max(4, tokens), 64  # a slot per token: the (slot, position) pairs are distinct
     slot_ids = torch.randperm(slots, generator=gen)[:tokens]
     positions = torch.randint(0, max_len, (tokens,), generator=gen)
     freqs = rope_frequencies(rope, 10000.0, 1.0, CPU)
