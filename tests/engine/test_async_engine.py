@@ -27,14 +27,17 @@ from engine.types import Request, RequestError, RequestOutput, SamplingParams
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def config(path: Path) -> EngineConfig:
+def config(path: Path, decode_ahead: str = "auto") -> EngineConfig:
     return EngineConfig(model=ModelConfig(str(path), device="cpu", max_context=128),
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128))
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128,
+                                                  decode_ahead=decode_ahead))
 
 
-@pytest.fixture
-async def engine(tiny_gguf: Path) -> AsyncIterator[AsyncEngine]:
-    eng = AsyncEngine(config(tiny_gguf))
+@pytest.fixture(params=["off", "on"], ids=["in-turn", "decode-ahead"])
+async def engine(tiny_gguf: Path, request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
+    """Every test on this engine runs with steps read in turn and with decode ahead (`LLMEngine.step`): aborts,
+    drains, cancellations and concurrent streams between steps launched ahead."""
+    eng = AsyncEngine(config(tiny_gguf, request.param))
     await eng.start()
     yield eng
     await eng.shutdown()
