@@ -87,9 +87,11 @@ async def test_concurrent_requests_match_the_sync_engine(engine: AsyncEngine, ti
     reqs = [request(engine, f"r{i}", text) for i, text in enumerate(["Hello there", "Once upon a time", "1 2 3"])]
     results = await asyncio.gather(*(collect(engine, r) for r in reqs))
     for outs in results:
-        assert [o.finished for o in outs] == [False] * 5 + [True]
+        # NOTE: a consumer behind the engine reads the tokens of two steps in one output (`RequestOutput.then`): with
+        # decode ahead a step's outputs can follow the last one's at once
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert outs[-1].finish_reason == "length" and outs[-1].num_generated_tokens == 6
-        assert all(len(o.new_token_ids) == 1 for o in outs)
+        assert sum(len(o.new_token_ids) for o in outs) == 6
     assert {r.request_id: "".join(o.new_text for o in outs) for r, outs in zip(reqs, results)} == \
         run_sync(tiny_gguf, reqs)
 
