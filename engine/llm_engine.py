@@ -164,9 +164,7 @@ class LLMEngine:
         if seq is None:
             return None
         output = self._output(seq, (), (), "abort")
-        if self._ahead is not None and not self.has_unfinished():  # idle: nothing is left launched
-            self._read(self._ahead)
-            self._ahead = None
+        self._drop_dead_ahead()
         return output
 
     def has_unfinished(self) -> bool:
@@ -197,12 +195,17 @@ class LLMEngine:
             if not sched.is_empty:
                 self._ahead = self._launch(sched, on_launched, feed=launched)
         outputs = self.update(launched.sched, self._read(launched))  # 3. tokens -> text; stops applied
-        if self._ahead is not None and not any(i in self.states for i in self._ahead.ids):
-            self._read(self._ahead)  # every sequence of the step ahead has ended
-            self._ahead = None
+        self._drop_dead_ahead()
         if not self.has_unfinished():
             self.cache.flush()  # idle: the cache's stats include the last step
         return outputs
+
+    def _drop_dead_ahead(self) -> None:
+        """A step ahead every sequence of which has ended (or was aborted) is read and dropped: none is left launched
+        while idle."""
+        if self._ahead is not None and not any(i in self.states for i in self._ahead.ids):
+            self._read(self._ahead)
+            self._ahead = None
 
     def _release(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_ids:  # the router forgets the ended requests

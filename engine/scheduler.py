@@ -70,9 +70,12 @@ class Scheduler:
         seq.output_ids.append(token)
         if token in seq.stop_ids:
             return "stop"
-        if len(seq.output_ids) >= seq.request.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+        return "length" if self._at_limit(seq) else None
+
+    def _at_limit(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether the sequence, `ahead` tokens on, has reached its token limit or the context."""
+        return len(seq.output_ids) + ahead >= seq.request.params.max_tokens or \
+            seq.num_tokens + ahead >= self.config.max_model_len
 
     def finish(self, request_id: str) -> Sequence:
         """End a request: its KV slot is free now."""
@@ -147,8 +150,7 @@ class Scheduler:
         context. Each sequence's tokens are then one ahead of what it holds until its sampled token is appended."""
         seqs = []
         for seq in self.running:
-            if len(seq.output_ids) + 1 >= seq.request.params.max_tokens or \
-                    seq.num_tokens + 1 >= self.config.max_model_len:
+            if self._at_limit(seq, ahead=1):
                 continue
             seqs.append(ScheduledSeq(seq.request_id, seq.slot, seq.num_computed, (FED,), True))
             seq.num_computed += 1

@@ -18,7 +18,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ops.kv_quant import dense, quantize_rows, row_bytes
+from ops.kv_quant import dense, latent_value_dim, quantize_rows, row_bytes
 from ops.quants import QType
 from ops.qweight import Q8Weight
 
@@ -264,7 +264,7 @@ def _fits_attention_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rows that many values, or their quantized bytes; decode takes Gemma 4's 512); or a latent cache (unquantized,
     values narrower than the keys, both parts powers of two: MLA's 512 + 64)."""
     head_dim = q.shape[-1]
-    value_dim = v_cache.shape[-1] if k_qtype is None and v_qtype is None and v_cache.shape[-1] < head_dim else head_dim
+    value_dim = latent_value_dim(head_dim, v_cache, k_qtype, v_qtype)
     rope = head_dim - value_dim
     if not _is_pow2_in(value_dim, max_head_dim) or (rope and not _is_pow2_in(rope, max_head_dim)) or \
             k_cache.shape[:-1] != v_cache.shape[:-1]:

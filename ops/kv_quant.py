@@ -58,3 +58,10 @@ def dense(cache: torch.Tensor, qtype: QType | None, head_dim: int, dtype: torch.
     if qtype is None:
         return cache
     return quants.dequantize(cache, qtype, head_dim).to(dtype)
+
+
+def latent_value_dim(head_dim: int, v_cache: torch.Tensor, k_qtype: QType | None, v_qtype: QType | None) -> int:
+    """The values' width: a latent cache's (unquantized, narrower than the keys), else head_dim."""
+    if k_qtype is None and v_qtype is None and v_cache.dim() == 4 and v_cache.shape[3] < head_dim:
+        return int(v_cache.shape[3])
+    return head_dim

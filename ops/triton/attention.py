@@ -24,7 +24,7 @@ import torch
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-from ops.kv_quant import check_head_dim, dense, row_bytes
+from ops.kv_quant import check_head_dim, dense, latent_value_dim, row_bytes
 from ops.quants import QType
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_vector, interpreting
 
@@ -251,13 +251,6 @@ def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if kv_heads == 0 or num_heads % kv_heads or max_len == 0:
         raise ValueError(f"k_cache: {kv_heads} kv heads and {max_len} positions do not serve {num_heads} heads")
     return n, num_heads, head_dim, value_dim
-
-
-def latent_value_dim(head_dim: int, v_cache: torch.Tensor, k_qtype: QType | None, v_qtype: QType | None) -> int:
-    """The values' width: a latent cache's (unquantized, narrower than the keys), else head_dim."""
-    if k_qtype is None and v_qtype is None and v_cache.dim() == 4 and v_cache.shape[3] < head_dim:
-        return int(v_cache.shape[3])
-    return head_dim
 
 
 def _is_kernel_dim(dim: int) -> bool:

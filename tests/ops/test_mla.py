@@ -29,6 +29,10 @@ EPS = 1e-6
 F32, BF16, CPU, CUDA = torch.float32, torch.bfloat16, torch.device("cpu"), torch.device("cuda")
 
 
+def fresh_seed() -> int:
+    return int(torch.randint(1 << 30, ()))
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30))
 
@@ -90,19 +94,15 @@ def check_out(tokens: int, heads: int, rank: int, v_dim: int, dtype: torch.dtype
 @pytest.mark.parametrize("tokens", [1, 8, 32])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 def test_qk_at_deepseek_v2_lites_shapes(tokens: int, dtype: torch.dtype) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    check_qk(tokens, 16, 128, 512, 64, "normal", 1.0, dtype, CUDA, int(torch.randint(1 << 30, ())))
-    check_qk(tokens, 16, 128, 512, 64, "normal", 1.3, dtype, CUDA, int(torch.randint(1 << 30, ())))
+    check_qk(tokens, 16, 128, 512, 64, "normal", 1.0, dtype, CUDA, fresh_seed())
+    check_qk(tokens, 16, 128, 512, 64, "normal", 1.3, dtype, CUDA, fresh_seed())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 32])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 def test_out_at_deepseek_v2_lites_shapes(tokens: int, dtype: torch.dtype) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    check_out(tokens, 16, 512, 128, dtype, CUDA, int(torch.randint(1 << 30, ())))
+    check_out(tokens, 16, 512, 128, dtype, CUDA, fresh_seed())
 
 
 def check_refusals(device: torch.device, seed: int) -> None:
@@ -118,8 +118,6 @@ def check_refusals(device: torch.device, seed: int) -> None:
 
 @pytest.mark.gpu
 def test_shapes_that_do_not_fit_are_refused() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     check_refusals(CUDA, 0)
 
 
