@@ -62,8 +62,9 @@ def bank(types: tuple[QType, QType, QType]) -> ExpertWeights:
                          projection(down_type, HIDDEN, FF), gate_type, up_type, down_type, HIDDEN, FF)
 
 
-def routing(num_tokens: int) -> Pairs:
-    scores = torch.rand(num_tokens, EXPERTS, device=CUDA)
+def routing(num_tokens: int, same: bool = False) -> Pairs:
+    """top-8 of random scores per token; `same`: one token's choice for every token (rows that route alike)."""
+    scores = torch.rand(1 if same else num_tokens, EXPERTS, device=CUDA).expand(num_tokens, EXPERTS)
     rows = scores.topk(TOP_K, dim=1).indices.flatten()
     tokens = torch.arange(num_tokens, device=CUDA).repeat_interleave(TOP_K)
     return tokens, rows, torch.rand(rows.shape, device=CUDA)
@@ -123,19 +124,22 @@ def graph_us(calls: Callable[[], object], repeats: int) -> float:
 def decode(repeats: int) -> None:
     from ops.triton import LaunchConfig, grouped_expert_ffn, tables_from_bank
     # DECODE_TYPES=Q4_K: one format in all three matrices (else Q4_K_M's mix); DECODE_CONFIGS: more launch configs,
-    # gate_up_rows:down_rows:block_tokens:blocks each, comma-separated
+    # gate_up_rows:down_rows:block_tokens:blocks[:spread 0|1] each, comma-separated; DECODE_ROUTING=same: every token
+    # of a call picks the same experts
     named = os.environ.get("DECODE_TYPES")
+    same = os.environ.get("DECODE_ROUTING") == "same"
     layer = bank((QType[named],) * 3 if named else LAYERS[0])
     tables = tables_from_bank(layer, CUDA)
     configs = {"decode kernels": LaunchConfig()}
     for spec in filter(None, os.environ.get("DECODE_CONFIGS", "").split(",")):
-        rows, down_rows, block_tokens, blocks = (int(v) for v in spec.split(":"))
-        configs[spec] = LaunchConfig(rows, down_rows, block_tokens or None, blocks)
+        rows, down_rows, block_tokens, blocks, *spread = (int(v) for v in spec.split(":"))
+        configs[spec] = LaunchConfig(rows, down_rows, block_tokens or None, blocks, bool(spread[0]) if spread else True)
+    print(f"routing: {'every token the same experts' if same else 'random top-8 per token'}")
     print(f"{'tokens':>6} " + " ".join(f"{name + ' us':>17}" for name in configs) + f" {'fused us':>9} {'rel diff':>9}",
           flush=True)
     for num_tokens in (1, 8, 16, 32):
         x = torch.randn(num_tokens, HIDDEN, device=CUDA).bfloat16()
-        rounds = [routing(num_tokens) for _ in range(20)]  # other experts each call: weights from HBM, not L2
+        rounds = [routing(num_tokens, same) for _ in range(20)]  # other experts each call: weights from HBM, not L2
 
         def kernels(config: LaunchConfig, x: torch.Tensor = x, rounds: list[Pairs] = rounds) -> list[torch.Tensor]:
             return [grouped_expert_ffn(x, *r, tables, config=config) for r in rounds]

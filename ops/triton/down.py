@@ -29,10 +29,11 @@ def _down_kernel(
     gate_ptrs, up_ptrs, down_ptrs, num_experts, down_row_bytes,
     y, y_stride, hidden, magic, fill_flags, host_down_ptrs, down_biases,
     DOWN_FMT: tl.constexpr, FF: tl.constexpr,
-    BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, FILL: tl.constexpr, COPY: tl.constexpr,
+    BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, FILL: tl.constexpr, SPREAD: tl.constexpr,
+    COPY: tl.constexpr,
     BIAS: tl.constexpr, BLOCKS: tl.constexpr,
 ):
-    # program (pair position, block of BR rows of hidden); only the first pair of each expert works
+    # program (pair position, block of BR rows of hidden); only the pairs that lead a chunk of their group work
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     rmask = rows < hidden
@@ -42,12 +43,15 @@ def _down_kernel(
     filling = False
     if FILL:
         filling = tl.load(fill_flags + safe) != 0  # in flight with the pointers
-    positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
+    spread = SPREAD
+    if FILL:
+        spread = SPREAD & (filling == 0)  # NOTE: a streamed expert is copied once, by the one program that computes it
+    positions, is_member, rank, first, end = group_of(expert_ids, num_pairs, pid, expert, is_valid, spread, BT, WINDOW)
     bias = 0.0
     if BIAS:  # the expert's row of the biases `[experts, hidden]`
         bias = tl.load(down_biases + safe.to(tl.int64) * hidden + safe_rows)
     if FILL:
-        if filling & (count > 0):  # the leader of a streamed miss first copies the rows it computes
+        if filling & (end > first):  # the leader of a streamed miss first copies the rows it computes
             row0 = tl.program_id(1) * BR
             fill_rows(host_down_ptrs, down_addr, safe, row0, tl.minimum(hidden - row0, BR), down_row_bytes, COPY)
             tl.debug_barrier()  # NOTE: the rows are in VRAM before any thread of the program reads them
@@ -55,7 +59,7 @@ def _down_kernel(
     # table lookups
     skipped = y + pid.to(tl.int64) * y_stride + rows
     tl.store(skipped, tl.zeros([BR], tl.float32), mask=tl.where(is_valid, False, rmask))
-    for start in range(0, count, BT):
+    for start in range(first, end, BT):
         position, has = chunk_of(positions, is_member, rank, start, BT)
         p0, p1, p2, p3 = slots(position.to(tl.int64), BT)  # empty slots: position 0, a valid row
         h0, h1, h2, h3 = slots(has.to(tl.int32), BT)
@@ -74,13 +78,13 @@ def _down_kernel(
 
 def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 tables: ExpertTables, y: torch.Tensor, block_tokens: int = 1, block_rows: int = 32,
-                num_warps: int | None = None, fill: Fill | None = None, blocks: int = 0) -> None:
+                num_warps: int | None = None, fill: Fill | None = None, blocks: int = 0, spread: bool = True) -> None:
     """y[p] = weights[p] * (down_e(h[p]) + the tables' down bias of e) for each computed pair p, 0 for a skipped
     pair. h float32
     `[pairs, ff]` prepared for the down format (`prepare.launch_prepare`), h_sums `[pairs, ff // 16]`
     its natural sums; expert_ids, weights `[pairs]`; y float32 `[pairs, hidden]`. With `fill`, the down rows of
     experts whose flag is set are first copied from host memory (`ops.triton.stage`). blocks: the 32-block formats'
-    blocks a step (`qdot.step_blocks`, 0: its default)."""
+    blocks a step (`qdot.step_blocks`, 0: its default); spread: an expert's pairs over programs (`pairs`)."""
     if not has_kernel(tables.down_type):
         raise ValueError(f"no down kernel for {tables.down_type.name}")
     num_pairs, device = expert_ids.shape[0], tables.device
@@ -107,7 +111,8 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
         y, y.stride(0), tables.hidden, MAGIC,
         fill.flags if fill is not None else expert_ids, (fill.host if fill is not None else tables).down_ptrs, biases,
         DOWN_FMT=int(tables.down_type), FF=tables.ff,
-        BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs), FILL=fill is not None, COPY=COPY_BLOCK,
+        BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs), FILL=fill is not None, SPREAD=spread,
+        COPY=COPY_BLOCK,
         BIAS=down_bias is not None, BLOCKS=step_blocks(tables.ff, blocks, tables.down_type),
         num_warps=num_warps or warps_for(block_rows),
     )

@@ -35,12 +35,14 @@ _table_cache: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
 class LaunchConfig:
     """Block shapes: rows of ff (gate/up) and of hidden (down) per program, pairs of one expert per
     pass over its weights (None: by the number of tokens), blocks of 32 a step of the 32-block formats (0: by the
-    row, `qdot.step_blocks`)."""
+    row, `qdot.step_blocks`); whether an expert's passes run in programs side by side (`spread`, `pairs`) or in its
+    first pair's program one after another."""
 
     gate_up_rows: int = 16
     down_rows: int = 32
     block_tokens: int | None = None
     blocks: int = 0
+    spread: bool = True
 
 
 DEFAULT_CONFIG = LaunchConfig()
@@ -89,7 +91,7 @@ def _ffn(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor, wei
     h, h_sums, y = _gate_up(x, token_ids, expert_ids, tables, config, block_tokens[0], fill, prepared)
     if has_kernel(tables.down_type):
         launch_down(h, h_sums, expert_ids, weights, tables, y, block_tokens=block_tokens[1],
-                    block_rows=config.down_rows, fill=fill, blocks=config.blocks)
+                    block_rows=config.down_rows, fill=fill, blocks=config.blocks, spread=config.spread)
     else:
         down_fallback(h, expert_ids, weights, tables, y)
     return y
@@ -110,7 +112,8 @@ def _gate_up(x: torch.Tensor, token_ids: torch.Tensor, expert_ids: torch.Tensor,
         x_gate, x_sums = (prepared.x, prepared.sums) if prepared is not None else launch_prepare(x, tables.gate_type)
         x_up = x_gate if tables.up_type == tables.gate_type else launch_prepare(x, tables.up_type)[0]
         launch_gate_up(x_gate, x_up, x_sums, token_ids, expert_ids, tables, h, h_sums,
-                       block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill, blocks=config.blocks)
+                       block_tokens=block_tokens, block_rows=config.gate_up_rows, fill=fill, blocks=config.blocks,
+                       spread=config.spread)
         if reads_int8(tables.down_type):  # h came out in natural order: its planes are quantized per row
             h, h_sums = launch_prepare(h, tables.down_type)
     else:

@@ -55,9 +55,10 @@ def _gate_up_kernel(
     alpha, limit,
     GATE_FMT: tl.constexpr, UP_FMT: tl.constexpr, DOWN_FMT: tl.constexpr, HIDDEN: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, WINDOW: tl.constexpr, GROUP: tl.constexpr,
-    FILL: tl.constexpr, COPY: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr, BLOCKS: tl.constexpr,
+    FILL: tl.constexpr, SPREAD: tl.constexpr, COPY: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
-    # program (pair position, block of BR rows of ff); only the first pair of each expert works
+    # program (pair position, block of BR rows of ff); only the pairs that lead a chunk of their group work
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     rmask = rows < ff
@@ -67,18 +68,21 @@ def _gate_up_kernel(
     filling = False
     if FILL:
         filling = tl.load(fill_flags + safe) != 0  # in flight with the pointers
-    positions, is_member, rank, count = group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW)
+    spread = SPREAD
+    if FILL:
+        spread = SPREAD & (filling == 0)  # NOTE: a streamed expert is copied once, by the one program that computes it
+    positions, is_member, rank, first, end = group_of(expert_ids, num_pairs, pid, expert, is_valid, spread, BT, WINDOW)
     gb, ub = 0.0, 0.0
     if BIAS:  # the expert's rows of the biases `[experts, ff]`
         gb = tl.load(gate_biases + safe.to(tl.int64) * ff + safe_rows)
         ub = tl.load(up_biases + safe.to(tl.int64) * ff + safe_rows)
     if FILL:
-        if filling & (count > 0):  # the leader of a streamed miss first copies the rows it computes
+        if filling & (end > first):  # the leader of a streamed miss first copies the rows it computes
             row0 = tl.program_id(1) * BR
             fill_rows2(host_gate_ptrs, gate_addr, host_up_ptrs, up_addr, safe, row0, tl.minimum(ff - row0, BR),
                        gate_row_bytes, up_row_bytes, COPY)
             tl.debug_barrier()  # NOTE: the rows are in VRAM before any thread of the program reads them
-    for start in range(0, count, BT):
+    for start in range(first, end, BT):
         position, has = chunk_of(positions, is_member, rank, start, BT)
         token = tl.load(token_ids + position, mask=has, other=0)
         has = has & (token >= 0) & (token < num_tokens)
@@ -145,7 +149,7 @@ def warps_for(block_rows: int, qtype: QType | None = None) -> int:
 def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tensor, token_ids: torch.Tensor,
                    expert_ids: torch.Tensor, tables: ExpertTables, h: torch.Tensor, h_sums: torch.Tensor,
                    block_tokens: int | None = None, block_rows: int = 16, num_warps: int | None = None,
-                   fill: Fill | None = None, blocks: int = 0) -> None:
+                   fill: Fill | None = None, blocks: int = 0, spread: bool = True) -> None:
     """h[p] = act(gate_e(x[t]), up_e(x[t])) for each computed pair p = (t, e) (the tables' math: its activation
     and gate/up biases), prepared for the down
     kernel (`prepare.launch_prepare`'s order and scale for the down format; natural order where the down format
@@ -153,8 +157,9 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
     other pairs are left as they were. x_gate, x_up `[tokens, hidden]`:
     x prepared for the gate and up formats; x_sums `[tokens, hidden // 16]`; token_ids, expert_ids
     `[pairs]`; h float32 `[pairs, ff]`, h_sums `[pairs, ff // 16]`. block_tokens: 1, 2 or 4; blocks: the 32-block
-    formats' blocks a step (`qdot.step_blocks`, 0: its default). With `fill`, the
-    gate and up rows of experts whose flag is set are first copied from host memory (`ops.triton.stage`)."""
+    formats' blocks a step (`qdot.step_blocks`, 0: its default); spread: an expert's pairs over programs (`pairs`).
+    With `fill`, the gate and up rows of experts whose flag is set are first copied from host memory
+    (`ops.triton.stage`)."""
     if not (has_kernel(tables.gate_type) and has_kernel(tables.up_type)):
         raise ValueError(f"no gate/up kernel for {tables.gate_type.name}/{tables.up_type.name}")
     num_pairs, num_tokens, device = expert_ids.shape[0], x_gate.shape[0], tables.device
@@ -193,7 +198,8 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
         fill.flags if fill is not None else expert_ids, source.gate_ptrs, source.up_ptrs, gate_biases, up_biases,
         math.alpha, math.limit,
         GATE_FMT=int(tables.gate_type), UP_FMT=int(tables.up_type), DOWN_FMT=down_order, HIDDEN=tables.hidden,
-        BT=bt, BR=block_rows, WINDOW=window_for(num_pairs), GROUP=GROUP, FILL=fill is not None, COPY=COPY_BLOCK,
+        BT=bt, BR=block_rows, WINDOW=window_for(num_pairs), GROUP=GROUP, FILL=fill is not None, SPREAD=spread,
+        COPY=COPY_BLOCK,
         ACT=ACTIVATIONS[math.activation], BIAS=biases,
         BLOCKS=step_blocks(tables.hidden, blocks or default_blocks(tables.gate_type, num_tokens), tables.gate_type),
         num_warps=num_warps or warps_for(block_rows, tables.gate_type),

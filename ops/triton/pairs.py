@@ -2,10 +2,13 @@
 
 A pair is one (token, expert) of a step. Its expert id indexes three per-layer pointer tables; a pair
 counts only if the id is in range and all three of its pointers are set (> 0). Programs are laid out
-one per pair position; the first position of each expert inside a window of WINDOW positions leads
-the group of all pairs of that expert in the window and computes them together, reading the expert's
-weights once per BT pairs; every other program of the window finds it leads nothing and does no work.
-Everything stays on the device: no sort, no host sync, and a grid that depends only on the pair count.
+one per pair position; the pairs of one expert inside a window of WINDOW positions form its group, ranked
+in position order. Spread (the default), the member of rank r with r % BT == 0 computes members r .. r + BT - 1
+together, reading the expert's weights once for them: an expert that many tokens of a step chose (a hot expert,
+or rows that route alike) takes as many programs side by side, not one program's passes in a row. Not spread (an
+expert a program first copies from host memory), the group's first member computes all of it. Every other
+program finds it leads nothing and does no work. Everything stays on the device: no sort, no host sync, and a
+grid that depends only on the pair count.
 """
 
 from __future__ import annotations
@@ -34,17 +37,21 @@ def expert_pointers(expert, num_experts, gate_ptrs, up_ptrs, down_ptrs):
 
 
 @triton.jit
-def group_of(expert_ids, num_pairs, pid, expert, is_valid, WINDOW: tl.constexpr):
-    """The pairs of `expert` in pid's window: (positions `[WINDOW]`, member mask, member rank,
-    number of members if pid leads the group else 0)."""
+def group_of(expert_ids, num_pairs, pid, expert, is_valid, spread, BT: tl.constexpr, WINDOW: tl.constexpr):
+    """The pairs of `expert` in pid's window: (positions `[WINDOW]`, member mask, member rank, and the ranks
+    first .. end - 1 that pid computes: BT from its own rank where `spread` and that rank is a multiple of BT,
+    else the whole group where pid is its first member; first == end where pid computes nothing)."""
     positions = (pid // WINDOW) * WINDOW + tl.arange(0, WINDOW)
     in_pairs = positions < num_pairs
     ids = tl.load(expert_ids + positions, mask=in_pairs, other=-1)
     is_member = in_pairs & (ids == expert)
-    first = tl.min(tl.where(is_member, positions, num_pairs), axis=0)
     rank = tl.cumsum(is_member.to(tl.int32), axis=0) - 1
     count = tl.sum(is_member.to(tl.int32), axis=0)
-    return positions, is_member, rank, tl.where(is_valid & (first == pid), count, 0)
+    mine = tl.sum(tl.where(positions == pid, rank, 0), axis=0)  # pid is a member of its expert's group
+    first = tl.where(spread, mine, 0)
+    end = tl.where(spread, tl.minimum(mine + BT, count), count)
+    leads = is_valid & tl.where(spread, mine % BT == 0, mine == 0)
+    return positions, is_member, rank, first, tl.where(leads, end, first)
 
 
 @triton.jit

@@ -133,13 +133,26 @@ class Prompts:
         return f"bench-{self.count}", tuple(int(t) for t in self.rng.integers(0, self.vocab_size, length))
 
 
+class GivenPrompts:
+    """Given prompts' ids in turn, whatever length is asked: bench-serve's streams' own prompts, for the engine beside
+    them (a batch of up to as many requests as prompts gets distinct ones)."""
+
+    def __init__(self, prompts: Sequence[tuple[int, ...]]) -> None:
+        self.prompts, self.count = tuple(prompts), 0
+
+    def next(self, length: int) -> tuple[str, tuple[int, ...]]:
+        ids = self.prompts[self.count % len(self.prompts)]
+        self.count += 1
+        return f"bench-{self.count}", ids
+
+
 def _snapshot(engine: LLMEngine) -> CacheDelta:
     # NOTE: the last step's record is processed while the next step runs: count it in its own phase
     engine.cache.flush()
     return CacheDelta.of(engine.cache.snapshot())
 
 
-def _add(engine: LLMEngine, prompts: Prompts, length: int, max_tokens: int) -> None:
+def _add(engine: LLMEngine, prompts: Prompts | GivenPrompts, length: int, max_tokens: int) -> None:
     request_id, ids = prompts.next(length)
     engine.add_request(Request(request_id, ids, SamplingParams(max_tokens, temperature=0.0, ignore_eos=True)))
 
@@ -164,7 +177,7 @@ def prefill_phase(engine: LLMEngine, prompts: Prompts, settings: RunSettings, ru
     return Phase(PREFILL, 1, run, settings.prompt_len, seconds, _snapshot(engine).minus(before))
 
 
-def decode_phases(engine: LLMEngine, prompts: Prompts, settings: RunSettings, batch: int,
+def decode_phases(engine: LLMEngine, prompts: Prompts | GivenPrompts, settings: RunSettings, batch: int,
                   run: int) -> list[Phase]:
     """`batch` requests: their prompts until each has its first token, then the decode steps."""
     before, start = _snapshot(engine), time.perf_counter()

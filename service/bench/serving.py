@@ -146,6 +146,7 @@ class ServeSettings:
     num_joining: int = 0  # requests that join runs of their own once every stream decodes
     joining_prompt_tokens: int = 0
     joining_every_ms: float = 0.0
+    same_prompt: bool = False  # every stream the prompt itself, else each its own (the prompt numbered)
 
 
 @dataclass(frozen=True)
@@ -184,9 +185,10 @@ HEADER = ("| path | clients | tok/s | decode tok/s | engine decode tok/s | serve
 
 def format_table(report: ServeBenchReport) -> str:
     s = report.settings
+    prompts = "one prompt for every stream" if s.same_prompt else "a prompt of its own for each stream"
     lines = [f"model {report.model}; server: {report.server}",
-             f"{s.prompt_tokens}-token prompt, {s.gen_len} tokens per stream (greedy, ignore_eos), median of "
-             f"{s.repeats} runs" + (f"; in {s.repeats} more runs {s.num_joining} prompts of "
+             f"{s.prompt_tokens}-token prompt ({prompts}), {s.gen_len} tokens per stream (greedy, ignore_eos), "
+             f"median of {s.repeats} runs" + (f"; in {s.repeats} more runs {s.num_joining} prompts of "
                                    f"{s.joining_prompt_tokens} tokens join, one every {s.joining_every_ms:g} ms"
                                    if s.num_joining else ""),
              "", HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

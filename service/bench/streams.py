@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -205,13 +205,13 @@ class Run:
         return min(j.start for j in self.joined), max(j.arrivals[0] for j in self.joined)
 
 
-async def run_clients(client: Client, load: Load, num_clients: int, joining: Load | None = None,
+async def run_clients(client: Client, loads: Sequence[Load], joining: Load | None = None,
                       num_joining: int = 0, every_s: float = 0.0) -> Run:
-    """`num_clients` streams of `load`; once each has its first tokens, `num_joining` requests of
+    """A stream of each of `loads`; once each has its first tokens, `num_joining` requests of
     `joining`, one every `every_s` seconds."""
     start = time.perf_counter()
-    first_tokens = [asyncio.Event() for _ in range(num_clients)]
-    running = asyncio.gather(*(client(load, first) for first in first_tokens))
+    first_tokens = [asyncio.Event() for _ in loads]
+    running = asyncio.gather(*(client(load, first) for load, first in zip(loads, first_tokens)))
     joined = []
     if joining is not None and num_joining:
         all_started = asyncio.ensure_future(asyncio.gather(*(first.wait() for first in first_tokens)))

@@ -17,7 +17,7 @@ from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
 from engine.llm_engine import resolve_device
 from service.bench.report import describe_machine
-from service.bench.runner import Prompts, RunSettings, decode_phases
+from service.bench.runner import GivenPrompts, RunSettings, decode_phases
 from service.bench.server_process import ServerProcess
 from service.bench.serving import (
     EngineFigures,
@@ -58,7 +58,10 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     r.add_argument("--clients", type=comma_list(int), default="1,8,32", help="concurrent streams")
     r.add_argument("--paths", type=comma_list(str, PATHS), default=",".join(PATHS), help="transports")
     r.add_argument("--gen-len", type=int, default=64, help="tokens each stream generates")
-    r.add_argument("--prompt", default=PROMPT, help="the prompt of every stream")
+    r.add_argument("--prompt", default=PROMPT, help="the prompt of the streams: stream i sends it followed by "
+                   "\" (i)\"")
+    r.add_argument("--same-prompt", action="store_true", help="every stream sends the prompt itself (greedy, they "
+                   "then decode the same tokens: every row of a step picks the same experts)")
     r.add_argument("--repeats", type=int, default=3, help="runs per row after one warm-up run (median)")
     r.add_argument("--join", type=int, default=0, metavar="N", help="requests that join runs of their own once "
                    "every stream decodes (their prompts' prefill beside the running decodes)")
@@ -78,12 +81,13 @@ def run(args: argparse.Namespace) -> int:
     config = with_default_model(engine_config(args))
     check_batches(args, config)
     tokenizer = Tokenizer.from_metadata(GGUFFile(str(config.model.path)).metadata)
-    load, joining = Load(args.prompt, args.gen_len), joining_load(args, tokenizer)
+    loads, joining = stream_loads(args), joining_load(args, tokenizer)
     settings = ServeSettings(tuple(args.clients), tuple(args.paths), args.gen_len, len(tokenizer.encode(args.prompt)),
                              args.repeats, args.join, args.join_prompt_len if args.join else 0,
-                             args.join_every_ms if args.join else 0.0)
-    served, server = measure_served(args, config, settings, load, joining)
-    engine = () if args.no_engine else measure_engine(config, args.routing, settings)
+                             args.join_every_ms if args.join else 0.0, args.same_prompt)
+    served, server = measure_served(args, config, settings, loads, joining)
+    prompts = GivenPrompts([tuple(tokenizer.encode(load.prompt)) for load in loads])
+    engine = () if args.no_engine else measure_engine(config, args.routing, settings, prompts)
     machine = describe_machine(resolve_device(config.model.device))
     report = ServeBenchReport(str(config.model.path), server, machine, settings, served, engine)
     if args.json:
@@ -113,6 +117,14 @@ def check_batches(args: argparse.Namespace, config: EngineConfig) -> None:
         raise ValueError("--grpc-target goes with --url")
 
 
+def stream_loads(args: argparse.Namespace) -> tuple[Load, ...]:
+    """A load for each of the most clients: the prompt numbered, each stream its own. NOTE: greedy streams of one
+    prompt decode the same tokens, so every row of a step would pick the same experts, as no set of users does
+    (`--same-prompt` measures that)."""
+    return tuple(Load(args.prompt if args.same_prompt else f"{args.prompt} ({i + 1})", args.gen_len)
+                 for i in range(max(args.clients)))
+
+
 def joining_load(args: argparse.Namespace, tokenizer: Tokenizer) -> Load | None:
     """A prompt of about `--join-prompt-len` tokens: the prompt's text repeated."""
     if not args.join:
@@ -124,14 +136,14 @@ def joining_load(args: argparse.Namespace, tokenizer: Tokenizer) -> Load | None:
 
 
 # -- through a server ------------------------------------------------------------------------------------
-def measure_served(args: argparse.Namespace, config: EngineConfig, settings: ServeSettings, load: Load,
-                   joining: Load | None) -> tuple[tuple[ServedFigures, ...], str]:
+def measure_served(args: argparse.Namespace, config: EngineConfig, settings: ServeSettings,
+                   loads: tuple[Load, ...], joining: Load | None) -> tuple[tuple[ServedFigures, ...], str]:
     if args.url is not None:
-        return asyncio.run(measure_paths(args.url, args.grpc_target, settings, load, joining)), args.url
+        return asyncio.run(measure_paths(args.url, args.grpc_target, settings, loads, joining)), args.url
     with tempfile.TemporaryDirectory() as tmp, ServerProcess(server_settings(args, config),
                                                              Path(tmp) / "jobs.db") as server:
         print(f"server: {server.url}, gRPC {server.grpc_target}", file=sys.stderr, flush=True)
-        figures = asyncio.run(measure_paths(server.url, server.grpc_target, settings, load, joining))
+        figures = asyncio.run(measure_paths(server.url, server.grpc_target, settings, loads, joining))
     return figures, describe_options(server_settings(args, config))
 
 
@@ -151,34 +163,34 @@ def describe_options(settings: dict[str, str]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(settings.items()) if k != "MOECACHE_MODEL") or "defaults"
 
 
-async def measure_paths(url: str, grpc_target: str | None, settings: ServeSettings, load: Load,
+async def measure_paths(url: str, grpc_target: str | None, settings: ServeSettings, loads: tuple[Load, ...],
                         joining: Load | None) -> tuple[ServedFigures, ...]:
     figures: list[ServedFigures] = []
     async with HttpClients(url) as scraper:  # the server's own histograms around each run
         for path in settings.paths:
             async with (HttpClients(url) if path == HTTP else GrpcClients(grpc_target or "")) as clients:
                 for num_clients in settings.clients:
-                    figures.append(await measure_row(path, clients.stream, scraper.totals, settings, load, joining,
-                                                     num_clients))
+                    figures.append(await measure_row(path, clients.stream, scraper.totals, settings,
+                                                     loads[:num_clients], joining))
                     print(f"{path} x{num_clients}: {figures[-1].tokens_per_second:.1f} tok/s", file=sys.stderr,
                           flush=True)
     return tuple(figures)
 
 
 async def measure_row(path: str, client: Client, totals: Callable[[], Awaitable[dict[str, float] | None]],
-                      settings: ServeSettings, load: Load, joining: Load | None, num_clients: int) -> ServedFigures:
+                      settings: ServeSettings, loads: tuple[Load, ...], joining: Load | None) -> ServedFigures:
     """A warm-up run, then `repeats` runs: the run of median decode speed, with the server's mean queue time and
     TTFT of its requests (`totals`: its histograms); with joining requests, as many runs again with them, whose
     latencies while they join are added to it."""
     plain = []
     for _ in range(settings.repeats + 1):
         before = await totals()
-        figures = served_figures(path, await run_clients(client, load, num_clients))
-        plain.append(replace(figures, server=server_side(before, await settled_totals(totals, before, num_clients))))
+        figures = served_figures(path, await run_clients(client, loads))
+        plain.append(replace(figures, server=server_side(before, await settled_totals(totals, before, len(loads)))))
     figures = median_run(plain[1:])
     if joining is None:
         return figures
-    joined = [served_figures(path, await run_clients(client, load, num_clients, joining, settings.num_joining,
+    joined = [served_figures(path, await run_clients(client, loads, joining, settings.num_joining,
                                                      settings.joining_every_ms / 1e3))
               for _ in range(settings.repeats)]
     middle = median_run(joined)
@@ -199,13 +211,13 @@ async def settled_totals(totals: Callable[[], Awaitable[dict[str, float] | None]
 
 
 # -- in process ------------------------------------------------------------------------------------------
-def measure_engine(config: EngineConfig, routing: str, settings: ServeSettings) -> tuple[EngineFigures, ...]:
-    """Bench's decode runs (`service.bench.runner`), prompts of the same length, after the server stopped."""
+def measure_engine(config: EngineConfig, routing: str, settings: ServeSettings,
+                   prompts: GivenPrompts) -> tuple[EngineFigures, ...]:
+    """Bench's decode runs (`service.bench.runner`) on the streams' prompts, after the server stopped."""
     run_settings = RunSettings(settings.prompt_tokens, settings.prompt_tokens, settings.gen_len, settings.clients,
                                settings.repeats)
     engine = load_engine(config, routing=routing)
     try:
-        prompts = Prompts(engine.weights.hparams.vocab_size, run_settings.seed)
         phases = [phase for run in range(run_settings.repeats + 1) for batch in run_settings.batches
                   for phase in decode_phases(engine, prompts, run_settings, batch, run)]
     finally:

@@ -75,6 +75,7 @@ class Case:
     activation: str = "silu"
     biases: bool = False
     blocks: int = 0  # blocks of 32 a step of the 32-block formats (0: by the row)
+    spread: bool = True  # an expert's passes in programs side by side (`LaunchConfig.spread`)
 
 
 def random_math(case: Case, generator: torch.Generator) -> ExpertMath:
@@ -142,7 +143,8 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     out = torch.full((case.num_tokens, case.hidden), float("nan"), device=device)
     poison_allocator(device, 64 << 20)
     grouped_expert_ffn(x.to(device), token_ids.to(device), expert_ids.to(device), weights.to(device), tables,
-                       out=out, config=LaunchConfig(case.gate_up_rows, case.down_rows, case.block_tokens, case.blocks))
+                       out=out, config=LaunchConfig(case.gate_up_rows, case.down_rows, case.block_tokens, case.blocks,
+                                                         case.spread))
     assert out.isfinite().all(), "unwritten or non-finite outputs"
     error = relative_error(out, ref)
     assert error < tolerance(case), f"{case}: relative error {error:.2e}"
@@ -271,9 +273,10 @@ def test_token_counts(num_tokens: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_tokens", [1, 2, 4])
-def test_experts_shared_by_many_tokens(block_tokens: int) -> None:
-    # 32 tokens on 6 experts: groups of ~20 pairs, several passes of block_tokens pairs each
-    case = Case((QType.Q4_K,) * 3, 32, num_experts=6, top_k=4, block_tokens=block_tokens)
+@pytest.mark.parametrize("spread", [True, False])
+def test_experts_shared_by_many_tokens(block_tokens: int, spread: bool) -> None:
+    # 32 tokens on 6 experts: groups of ~20 pairs, several passes of block_tokens pairs each, side by side or not
+    case = Case((QType.Q4_K,) * 3, 32, num_experts=6, top_k=4, block_tokens=block_tokens, spread=spread)
     run_case(case, CUDA, seed=int(torch.randint(1 << 30, ())))
 
 
@@ -419,6 +422,11 @@ INTERPRETER_CASES = [
     Case((QType.Q5_K,) * 3, num_tokens=3, hidden=512, ff=256, num_experts=4, top_k=2, gate_up_rows=32),
     Case((QType.Q4_K,) * 3, num_tokens=4, hidden=256, ff=256, num_experts=2, top_k=2, block_tokens=4,
          gate_up_rows=32),
+    # groups of 5 pairs in passes of 2: programs side by side (ranks 0, 2, 4), or the first pair's program alone
+    Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=5, hidden=256, ff=256, num_experts=2, top_k=2,
+         block_tokens=2, gate_up_rows=32),
+    Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=5, hidden=256, ff=256, num_experts=2, top_k=2,
+         block_tokens=2, gate_up_rows=32, spread=False),
     Case((QType.IQ4_XS, QType.F16, QType.Q8_0), num_tokens=2, hidden=256, ff=256, num_experts=3, top_k=2,
          gate_up_rows=32),
     # rows of 32-blocks not a multiple of 256 (Gemma 4's 704, gpt-oss's 2880), and every expert math
@@ -435,7 +443,8 @@ INTERPRETER_CASES = [
          gate_up_rows=32, biases=True, blocks=16),
 ]
 INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens} {c.activation}"
-                       f"{' biases' if c.biases else ''}{f' blocks={c.blocks}' if c.blocks else ''}",
+                       f"{' biases' if c.biases else ''}{f' blocks={c.blocks}' if c.blocks else ''}"
+                       f"{f' bt={c.block_tokens}' if c.block_tokens else ''}{'' if c.spread else ' not spread'}",
                        lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("bf16 out", lambda seed: check_16bit_out(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
 INTERPRETER_CHECKS.append(("int8 planes", lambda seed: check_int8_planes(torch.device("cpu"), seed)))

@@ -143,7 +143,10 @@ def test_hold_fills_waits_once_per_distinct_flagged_expert() -> None:
 # --- the interpreter (no CUDA) ----------------------------------------------------------------------------
 
 INTERPRETER_CASES = [replace(CASES[0], hidden=256, ff=256), replace(CASES[1], hidden=256, ff=256, num_tokens=3),
-                     replace(CASES[3], hidden=256, ff=256)]
+                     replace(CASES[3], hidden=256, ff=256),
+                     # groups of ~5 pairs in passes of 2: cached experts' passes side by side, streamed ones' in one
+                     # program (it copies the expert first)
+                     replace(CASES[2], hidden=256, ff=256, num_tokens=7, num_experts=6, top_k=4, block_tokens=2)]
 INTERPRETER_CHECKS = [(str(c.types), lambda seed, c=c: run_case(c, torch.device("cpu"), seed))
                       for c in INTERPRETER_CASES]
 

@@ -97,6 +97,7 @@ def test_figures_are_positive_and_beside_the_engine(report: tuple[str, dict[str,
         assert 0 <= server["queue_ms"] <= server["ttft_ms"] <= row["ttft"]["p99_ms"], row
     assert all(e["decode_tokens_per_second"] > 0 and e["tokens_per_second"] > 0 for e in doc["engine"])
     assert doc["settings"]["prompt_tokens"] > 0 and doc["machine"]["device"] == "cpu"
+    assert doc["settings"]["same_prompt"] is False and "a prompt of its own for each stream" in table
     assert table.count("| http |") == len(CLIENTS) and table.count("| engine (in process) |") == len(CLIENTS)
 
 
@@ -120,3 +121,22 @@ def test_the_default_sequence_count_grows_to_every_stream_and_joining_request(ca
     assert given.max_num_seqs == 16
     with pytest.raises(ValueError, match="need --max-num-seqs 36"):
         check_batches(given, engine_config(given))
+
+
+def test_each_stream_sends_a_prompt_of_its_own_unless_told_otherwise() -> None:
+    from service.cli import parse
+    from service.commands.bench_serve import stream_loads
+
+    loads = stream_loads(parse(["bench-serve", "--clients", "1,3", "--prompt", "Hi", "--gen-len", "5"]))
+    assert [(load.prompt, load.max_tokens) for load in loads] == [("Hi (1)", 5), ("Hi (2)", 5), ("Hi (3)", 5)]
+    same = stream_loads(parse(["bench-serve", "--clients", "2", "--prompt", "Hi", "--same-prompt"]))
+    assert [load.prompt for load in same] == ["Hi", "Hi"]
+
+
+def test_the_engine_beside_the_server_decodes_the_streams_prompts_in_turn() -> None:
+    from service.bench.runner import GivenPrompts
+
+    prompts = GivenPrompts([(1, 2), (3,)])
+    taken = [prompts.next(16) for _ in range(3)]
+    assert [ids for _, ids in taken] == [(1, 2), (3,), (1, 2)]
+    assert len({request_id for request_id, _ in taken}) == 3
