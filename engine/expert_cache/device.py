@@ -53,16 +53,36 @@ class CopyEngine:
             self.stream.wait_event(after)
         return self._copy_on_stream(pairs)
 
+    def gather(self, sources: list[list[int]], dsts: tuple[torch.Tensor, ...], host_bytes: int,
+               after: torch.cuda.Event | None) -> torch.cuda.Event:
+        """CUDA only: dsts[i][e] = the expert matrix at address sources[i][e] (a VRAM slot or pinned host memory),
+        one launch a matrix (`ops.triton.gather_experts`), once `after` has happened; host_bytes: the bytes read
+        from the host."""
+        from ops.triton import gather_experts
+
+        if after is not None:
+            self.stream.wait_event(after)
+        with torch.cuda.stream(self.stream):
+            # NOTE: the caching host allocator keeps the pinned table until the stream has read it
+            table = torch.tensor(sources, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+            for i, dst in enumerate(dsts):
+                gather_experts(table[i], dst)
+            return self._finish(host_bytes)
+
     def _copy_on_stream(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-            if self.cap is not None:
-                from ops.triton import hold
+            return self._finish(sum(s.nbytes for _, s in pairs if s.device.type == "cpu"))
 
-                hold(self.cap.extra_ns(sum(s.nbytes for _, s in pairs if s.device.type == "cpu")), self.device)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+    def _finish(self, host_bytes: int) -> torch.cuda.Event:
+        """On the copy stream: the slower link's wait where one is simulated, then the event of the copies."""
+        if self.cap is not None:
+            from ops.triton import hold
+
+            hold(self.cap.extra_ns(host_bytes), self.device)
+        event = torch.cuda.Event()
+        event.record(self.stream)
         return event
 
     def close(self) -> None:

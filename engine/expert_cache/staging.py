@@ -1,7 +1,9 @@
 """Prefill's expert staging (CUDA): a large batch uses nearly every expert of a layer, so each host layer
 is copied whole into one of two VRAM buffers on the copy stream, the next layer's copy running while
 the current layer computes (double buffering). Cached experts come from their slots (device to
-device); the rest from pinned host memory, in runs of consecutive experts (one copy per run and part).
+device); the rest from pinned host memory, in runs of consecutive experts (one copy per run and part). Where the
+cached experts break a layer into more than `GATHER_RUNS` runs, one launch a part copies every expert from its
+address instead (`ops.triton.gather_experts`): a copy call a run would cost the host more than the copies take.
 A layer on disk (`--ssd-moe`) stages only the experts the batch uses, the uncached ones read through the host-RAM
 tier a slot pool's worth at a time, each copy waited for before the tier refills its slots (no prefetch).
 """
@@ -16,6 +18,8 @@ from engine.expert_cache.device import CopyEngine, bank_shape, empty_bank, exper
 from engine.expert_cache.ram_tier import RamTier
 from ops.bank import ExpertWeights
 
+GATHER_RUNS = 8  # runs of a layer past which its staging is one gather launch a part, not a copy call a run
+
 
 class LayerStager:
     def __init__(self, host: Mapping[int, ExpertWeights], pools: Mapping[int, ExpertWeights],
@@ -25,6 +29,7 @@ class LayerStager:
         disk (their `host` banks are the map's views, never read)."""
         self.host, self.pools, self.group_of, self.slots_of, self.copies = host, pools, group_of, slots_of, copies
         self.tier = tier
+        self.gather_runs = GATHER_RUNS
         self.order = sorted(host)
         self.buffers: dict[tuple, list[ExpertWeights]] = {}  # bank shape -> its two buffers
         self.turn: dict[tuple, int] = {}
@@ -63,14 +68,26 @@ class LayerStager:
     def _upload(self, layer: int) -> None:
         host = self.host[layer]
         buffer = self._next_buffer(host)
+        runs, after = self._runs(layer), self.free.pop(id(buffer), None)
+        if len(runs) > self.gather_runs:
+            sources = [[0] * len(host.gate) for _ in range(3)]  # per part: each expert's address
+            for start, stop, slot in runs:
+                src, first = (self.pools[self.group_of[layer]], slot) if slot >= 0 else (host, start)
+                for i, t in enumerate(expert_parts(src, slice(None))):
+                    sources[i][start:stop] = range(t.data_ptr() + first * t.stride(0),
+                                                   t.data_ptr() + (first + stop - start) * t.stride(0), t.stride(0))
+            host_bytes = sum(stop - start for start, stop, slot in runs if slot < 0) * host.expert_bytes
+            self.ready[layer] = (buffer, self.copies.gather(sources, expert_parts(buffer, slice(None)), host_bytes,
+                                                            after))
+            return
         pairs = []
-        for start, stop, slot in self._runs(layer):
+        for start, stop, slot in runs:
             src = self.pools[self.group_of[layer]] if slot >= 0 else host
             first = slot if slot >= 0 else start
             for dst_part, src_part in zip(expert_parts(buffer, slice(start, stop)),
                                           expert_parts(src, slice(first, first + stop - start))):
                 pairs.append((dst_part, src_part))
-        self.ready[layer] = (buffer, self.copies.upload(pairs, after=self.free.pop(id(buffer), None)))
+        self.ready[layer] = (buffer, self.copies.upload(pairs, after=after))
 
     def _on_disk(self, layer: int) -> bool:
         return self.tier is not None and layer in self.tier.layouts

@@ -5,7 +5,8 @@ reach half the link's speed; plain copies of 16-byte loads with many in flight r
 speed. So a step's streamed misses are copied first: the program that computes rows r0..r1 of an
 expert copies exactly those rows into the expert's VRAM address (`copy_span`), then computes from
 VRAM. The programs of hits and of misses run in the same launch, so the hits' compute overlaps the
-misses' copies. `fill_experts` is the separate launch, for formats whose FFN has no fused kernel.
+misses' copies. `fill_experts` is the separate launch, for formats whose FFN has no fused kernel;
+`gather_experts` copies a list of experts from any addresses into one bank (a prompt's staged layer).
 
 `hold_fills` and `hold` keep a stream busy for a time (a clock spin): a slower host link simulated on a
 fast one (`--link-gbps`), as the extra time each copy would take.
@@ -130,6 +131,41 @@ def fill_experts(expert_ids: torch.Tensor, tables: ExpertTables, fill: Fill) -> 
             tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts,
             num_bytes, BLOCK=COPY_BLOCK, WINDOW=window,
         )
+
+
+@triton.jit
+def _gather_kernel(sources, dst, num_experts, expert_bytes, BLOCK: tl.constexpr):
+    # program p copies blocks p, p + P, ... of the experts' bytes laid end to end (P programs): a few programs, each
+    # with BLOCK bytes of 16-byte loads in flight, leave the multiprocessors to the kernels that run beside them
+    blocks_each = tl.cdiv(expert_bytes, BLOCK)
+    offsets = tl.arange(0, BLOCK)
+    for block in range(tl.program_id(0), num_experts * blocks_each, tl.num_programs(0)):
+        expert = block // blocks_each
+        o = (block % blocks_each).to(tl.int64) * BLOCK + offsets
+        src = tl.multiple_of(tl.load(sources + expert).to(tl.pointer_type(tl.uint8)), 16)
+        data = tl.load(src + o, mask=o < expert_bytes, other=0)
+        tl.store(dst + expert.to(tl.int64) * expert_bytes + o, data, mask=o < expert_bytes)
+
+
+GATHER_BLOCK = 16384  # bytes a program has in flight: 8 loads of 16 bytes a thread of 4 warps
+
+
+def gather_experts(sources: torch.Tensor, dst: torch.Tensor, programs: int = 0) -> None:
+    """dst[e] = the bytes of one expert's matrix at address sources[e], for every e: one launch, whatever the
+    sources (VRAM slots, pinned host memory read in place). dst: uint8 `[n, ...]`, contiguous; sources: int64 `[n]`
+    on dst's device, 16-byte aligned addresses. programs: 0 = one per multiprocessor."""
+    num_experts = dst.shape[0]
+    check_vector("sources", sources, num_experts, (torch.int64,), dst.device)
+    expert_bytes = dst[0].numel() if num_experts else 0
+    if dst.dtype != torch.uint8 or not dst.is_contiguous() or dst.data_ptr() % 16 or expert_bytes % 16:
+        raise ValueError(f"dst: expected contiguous 16-byte aligned uint8 rows of a multiple of 16 bytes, got "
+                         f"{dst.dtype} {tuple(dst.shape)}")
+    if num_experts == 0:
+        return
+    if not programs:
+        programs = torch.cuda.get_device_properties(dst.device).multi_processor_count if dst.is_cuda else 4
+    _gather_kernel[(min(programs, num_experts * triton.cdiv(expert_bytes, GATHER_BLOCK)),)](
+        sources, dst, num_experts, expert_bytes, BLOCK=GATHER_BLOCK, num_warps=4)
 
 
 @triton.jit

@@ -133,11 +133,16 @@ def test_every_mode_equals_the_reference_while_the_cache_fills(weights: ModelWei
     cache.close()
 
 
-@pytest.mark.parametrize("cpu_moe", [True, False], ids=["host-experts", "resident"])
-def test_prefill_batches_equal_the_reference(weights: ModelWeights, cpu_moe: bool) -> None:
-    """Batches above max_cached_batch: layers staged whole (cached experts copied from their slots)
-    or read resident, then grouped GEMMs in bf16; decode steps in between keep changing the cache."""
+@pytest.mark.parametrize(("cpu_moe", "gather_runs"), [(True, 0), (True, 1 << 20), (False, None)],
+                         ids=["host-experts-gathered", "host-experts-copied", "resident"])
+def test_prefill_batches_equal_the_reference(weights: ModelWeights, cpu_moe: bool, gather_runs: int | None) -> None:
+    """Batches above max_cached_batch: layers staged whole (cached experts copied from their slots; a copy call a run
+    of experts, or one gather launch a part) or read resident, then grouped GEMMs in bf16; decode steps in between
+    keep changing the cache."""
     cache = make_cache(weights, cpu_moe=cpu_moe, budget_mib=2, miss_mode="stream")
+    if gather_runs is not None:
+        assert cache.dispatcher.stager is not None
+        cache.dispatcher.stager.gather_runs = gather_runs
     ref = ReferenceExperts({i: weights.layers[i].ffn.experts for i in weights.moe_layers})
     rng = np.random.default_rng(3)
     for size in (1, 2, 64, 1, 4, 64, 33):

@@ -9,7 +9,9 @@ kernel variant the engine launches is compiled to a cubin for sm90, as the devic
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 from typing import Any
 
 import pytest
@@ -18,7 +20,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the GPU 
 
 from gguf import GGMLQuantizationType as QType  # noqa: E402
 
-from ops.triton import moe_gemm, qlinear  # noqa: E402
+from ops.triton import moe_gemm, qlinear, stage  # noqa: E402
 from ops.triton.attention import _split_kernel  # noqa: E402
 from ops.triton.down import _down_kernel  # noqa: E402
 from ops.triton.fused import _gated_act_kernel, _qk_norm_rope_kernel, _sandwich_kernel  # noqa: E402
@@ -26,7 +28,7 @@ from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
 from ops.triton.mla import OUT_ROWS, QK_ROWS, _mla_out_kernel, _mla_qk_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
 from ops.triton.qdot import KERNEL_TYPES, step_blocks  # noqa: E402
-from tools.sass_loops import NVDISASM, PREFILL_TYPES, compile_sm90, weight_loops  # noqa: E402
+from tools.sass_loops import NVDISASM, PREFILL_TYPES, compile_sass, compile_sm90, weight_loops  # noqa: E402
 
 
 def compile_for_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 2) -> None:
@@ -100,6 +102,18 @@ def test_q8_linear_compiles_for_sm90(rows: int) -> None:
                                                  "y": "*bf16", "work": "*fp32", "arrived": "*i32"},
                      dict(BIAS=rows == 32, W_LEFT=c.w_left, SPLIT=c.splits > 1, BM=c.block_m, BN=c.block_n,
                           BK=c.block_k, INTERPRET=False), c.num_warps)
+
+
+@needs_backend
+def test_the_gather_of_a_staged_layer_moves_16_bytes_a_load() -> None:
+    """`ops.triton.gather_experts` (a prompt's staged layer, from pinned host memory read in place): each of a
+    thread's loads and stores moves 16 bytes, as the copy engine's would reach the link's speed only with enough in
+    flight."""
+    sass = compile_sass(stage._gather_kernel, dict(BLOCK=stage.GATHER_BLOCK), 4, {"expert_bytes": 884736},
+                        types={"sources": "*i64", "dst": "*u8", "num_experts": "i32", "expert_bytes": "i32"})
+    moves = collections.Counter(re.findall(r"\b((?:LDG|STG)\.E(?:\.\d+)?)\b", sass))
+    assert moves["LDG.E.128"] == moves["STG.E.128"] == stage.GATHER_BLOCK // (16 * 128), moves
+    assert set(moves) <= {"LDG.E.128", "STG.E.128", "LDG.E.64"}, moves  # the 64-bit load: the expert's address
 
 
 @needs_backend

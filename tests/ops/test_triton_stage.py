@@ -1,5 +1,6 @@
 """Streamed misses copied into VRAM inside the expert kernels (`ops.triton.stage`), and the separate fill
-launch of formats without fused kernels.
+launch of formats without fused kernels; a list of experts gathered from any addresses into one bank (a prompt's
+staged layer).
 
 Fresh random experts every run. A host bank (pinned on CUDA), a pool holding some experts in slots, and
 a poisoned staging bank; the table the FFN reads points each selected expert at its pool slot (cached,
@@ -26,7 +27,7 @@ from ops.quants import QType
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
-from ops.triton import Fill, grouped_expert_ffn, hold, hold_fills, tables_from_bank  # noqa: E402
+from ops.triton import Fill, gather_experts, grouped_expert_ffn, hold, hold_fills, tables_from_bank  # noqa: E402
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 from tests.ops.test_triton_experts import Case, on_device, random_bank, random_routing, relative_error, tolerance  # noqa: E402
 
@@ -98,6 +99,31 @@ def test_filled_experts_match_the_host_bank_and_the_reference(case: Case) -> Non
     run_case(case, torch.device("cuda"), int(torch.randint(1 << 30, ())))
 
 
+def check_gather(device: torch.device, seed: int) -> None:
+    """Experts of two banks (a pool on the device, a host bank: pinned on CUDA) gathered by address into a poisoned
+    bank, in a mixed order: each row holds its source's bytes; 3 programs for more blocks than programs."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (6, 3, 16448)  # 49,344 bytes an expert: three blocks of the kernel, the last one partial
+    pool = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator).to(device)
+    host = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+    host = host.pin_memory() if device.type == "cuda" else host
+    picks = [(pool, 4), (host, 0), (host, 5), (pool, 0), (host, 2)]
+    dst = torch.full((len(picks), *shape[1:]), POISON, dtype=torch.uint8, device=device)
+    sources = torch.tensor([t.data_ptr() + row * t.stride(0) for t, row in picks], dtype=torch.int64, device=device)
+    gather_experts(sources, dst, programs=3)
+    for e, (t, row) in enumerate(picks):
+        assert torch.equal(dst[e].cpu(), t[row].cpu()), f"expert {e} from {t.device} row {row}"
+    with pytest.raises(ValueError, match="sources"):
+        gather_experts(sources[:2], dst)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_experts(sources, dst[:, :, :16])
+
+
+@pytest.mark.gpu
+def test_gather_copies_each_expert_from_its_address() -> None:
+    check_gather(torch.device("cuda"), int(torch.randint(1 << 30, ())))
+
+
 @pytest.mark.gpu
 def test_fill_tables_of_other_shapes_are_refused() -> None:
     bank = random_bank(CASES[0], torch.Generator().manual_seed(0))
@@ -149,6 +175,7 @@ INTERPRETER_CASES = [replace(CASES[0], hidden=256, ff=256), replace(CASES[1], hi
                      replace(CASES[2], hidden=256, ff=256, num_tokens=7, num_experts=6, top_k=4, block_tokens=2)]
 INTERPRETER_CHECKS = [(str(c.types), lambda seed, c=c: run_case(c, torch.device("cpu"), seed))
                       for c in INTERPRETER_CASES]
+INTERPRETER_CHECKS.append(("gather", lambda seed: check_gather(torch.device("cpu"), seed)))
 
 
 @needs_no_cuda
