@@ -68,17 +68,11 @@ class LayerStager:
     def _upload(self, layer: int) -> None:
         host = self.host[layer]
         buffer = self._next_buffer(host)
-        runs, after = self._runs(layer), self.free.pop(id(buffer), None)
+        runs, after = self.runs(layer), self.free.pop(id(buffer), None)
         if len(runs) > self.gather_runs:
-            sources = [[0] * len(host.gate) for _ in range(3)]  # per part: each expert's address
-            for start, stop, slot in runs:
-                src, first = (self.pools[self.group_of[layer]], slot) if slot >= 0 else (host, start)
-                for i, t in enumerate(expert_parts(src, slice(None))):
-                    sources[i][start:stop] = range(t.data_ptr() + first * t.stride(0),
-                                                   t.data_ptr() + (first + stop - start) * t.stride(0), t.stride(0))
             host_bytes = sum(stop - start for start, stop, slot in runs if slot < 0) * host.expert_bytes
-            self.ready[layer] = (buffer, self.copies.gather(sources, expert_parts(buffer, slice(None)), host_bytes,
-                                                            after))
+            parts = expert_parts(buffer, slice(None))
+            self.ready[layer] = (buffer, self.copies.gather(self.sources(layer, runs), parts, host_bytes, after))
             return
         pairs = []
         for start, stop, slot in runs:
@@ -88,6 +82,16 @@ class LayerStager:
                                           expert_parts(src, slice(first, first + stop - start))):
                 pairs.append((dst_part, src_part))
         self.ready[layer] = (buffer, self.copies.upload(pairs, after=after))
+
+    def sources(self, layer: int, runs: list[tuple[int, int, int]]) -> list[list[int]]:
+        """For gate, up and down: the address of each of the layer's experts, in its slot or in host memory (`runs`)."""
+        sources = [[0] * len(self.host[layer].gate) for _ in range(3)]
+        for start, stop, slot in runs:
+            src, first = (self.pools[self.group_of[layer]], slot) if slot >= 0 else (self.host[layer], start)
+            for i, t in enumerate(expert_parts(src, slice(None))):
+                base, step = t.data_ptr(), t.stride(0)
+                sources[i][start:stop] = range(base + first * step, base + (first + stop - start) * step, step)
+        return sources
 
     def _on_disk(self, layer: int) -> bool:
         return self.tier is not None and layer in self.tier.layouts
@@ -110,7 +114,7 @@ class LayerStager:
             pairs, after = [], None
         self.ready[layer] = (buffer, self.copies.upload(pairs, after))
 
-    def _runs(self, layer: int) -> list[tuple[int, int, int]]:
+    def runs(self, layer: int) -> list[tuple[int, int, int]]:
         """(start, stop, slot): runs of consecutive uncached experts (slot -1), single cached ones."""
         slots = self.slots_of(layer)[:self.host[layer].gate.shape[0]]
         runs: list[tuple[int, int, int]] = []
