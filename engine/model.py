@@ -74,6 +74,18 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return all(s.num_tokens == 1 for s in self.spans)
 
+    @cached_property
+    def singles(self) -> int:
+        """The leading spans of one token (sequences that decode in a step that also prefills)."""
+        return next((n for n, s in enumerate(self.spans) if s.num_tokens != 1), len(self.spans))
+
+    @cached_property
+    def first_chunks(self) -> tuple[int, ...]:
+        """The lengths of the spans after the leading one-token spans where each is a prompt's first chunk (start 0)
+        and there are several, else (): their rows attend over their own keys and values in one launch."""
+        chunks = self.spans[self.singles:]
+        return tuple(s.num_tokens for s in chunks) if len(chunks) > 1 and not any(s.start for s in chunks) else ()
+
 
 def rope_frequencies(head_dim: int, theta: float, scale: float, device: torch.device,
                      yarn: YaRN | None = None) -> torch.Tensor:
@@ -219,16 +231,17 @@ class Model:
         if batch.fresh:  # NOTE: the slot's keys are these (a captured chunk names no slot): read them as they are
             out = chunk_attention(q, k, v, self.scale, self.hp.window(i), a.sinks)
         else:
-            out = self.attend(i, q, batch, kv, a.sinks)
+            out = self.attend(i, q, batch, kv, a.sinks, own=(k, v) if kv.qtypes == (None, None) else None)
         return linear(out.reshape(n, -1), a.o, a.o_bias)
 
-    def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-               sinks: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, sinks: torch.Tensor | None,
+               own: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q `[tokens, heads, head_dim]` over the cached keys and values (the layer's window of them) ->
-        `[tokens, heads, value dim]`."""
+        `[tokens, heads, value dim]`. own: the step's keys and values as the cache keeps them (unquantized), which
+        prompts' first chunks may attend over in place of the cache's (`prefill_attention`)."""
         if batch.is_decode:
             return self.decode_attention(i, q, batch, kv, sinks)
-        return self.prefill_attention(i, q, batch, kv, sinks)
+        return self.prefill_attention(i, q, batch, kv, sinks, own)
 
     def decode_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
                          sinks: torch.Tensor | None) -> torch.Tensor:
@@ -237,18 +250,28 @@ class Model:
                                 sinks, k_qtype=kv.k_qtype, v_qtype=kv.v_qtype)
 
     def prefill_attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-                          sinks: torch.Tensor | None) -> torch.Tensor:
+                          sinks: torch.Tensor | None, own: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> torch.Tensor:
         """Each chunk of a prompt on its own; the leading run of one-token spans (the sequences that decode in a
         step that also prefills) in one decode launch: one launch a layer, not one a sequence (32 decoding
-        streams made a step with a prompt chunk 7x as long as one without: H100, 2026-12-06)."""
-        singles = next((n for n, s in enumerate(batch.spans) if s.num_tokens != 1), len(batch.spans))
+        streams made a step with a prompt chunk 7x as long as one without: H100, 2026-12-06). Several prompts'
+        first chunks (`ForwardBatch.first_chunks`) over their own keys and values (`own`) in one launch too, as when
+        many requests come in together (32 streams' prompts waited 430 ms for their first tokens in the server, a
+        chunk at a time: H100, 2026-12-07)."""
+        singles, together = batch.singles, own is not None and bool(batch.first_chunks)
         outs, row = [], 0
-        if singles > 1:
+        if singles > 1 or (singles and together):
             keys, values = kv.window(i, max(s.end for s in batch.spans[:singles]))
             outs.append(decode_attention(q[:singles], keys, values, batch.slot_ids[:singles],
                                          batch.positions[:singles], self.scale, self.hp.window(i), sinks,
                                          k_qtype=kv.k_qtype, v_qtype=kv.v_qtype))
             row = singles
+        if together:
+            assert own is not None, "first chunks together read the step's own keys and values"
+            k, v = own
+            outs.append(chunk_attention(q[row:], k[row:], v[row:], self.scale, self.hp.window(i), sinks,
+                                        batch.first_chunks))
+            return torch.cat(outs)
         for span in batch.spans[row:]:
             keys, values = kv.window(i, span.end)  # [slots, kv_heads, end, row] views
             outs.append(prefill_attention(q[row:row + span.num_tokens], keys, values, span.slot, span.start,

@@ -108,7 +108,7 @@ def kernels(qtype: QType) -> list[tuple[str, str, int]]:
     """(kernel, its SASS, the weights a thread reads a step)."""
     hidden, ff, activation = SHAPES[qtype]
     values = launch_values(qtype)
-    common = dict(WINDOW=64, FILL=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1)
+    common = dict(WINDOW=64, FILL=True, SPREAD=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1)
     gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BR=ROWS, GROUP=16,
                    ACT=ACTIVATIONS[activation], BLOCKS=gate_up_blocks(qtype), **common)
     down_blocks = step_blocks(ff, BLOCKS, qtype)

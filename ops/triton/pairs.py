@@ -7,8 +7,9 @@ in position order. Spread (the default), the member of rank r with r % BT == 0 c
 together, reading the expert's weights once for them: an expert that many tokens of a step chose (a hot expert,
 or rows that route alike) takes as many programs side by side, not one program's passes in a row. Not spread (an
 expert a program first copies from host memory), the group's first member computes all of it. Every other
-program finds it leads nothing and does no work. Everything stays on the device: no sort, no host sync, and a
-grid that depends only on the pair count.
+program finds it leads nothing and does no work. Spread with one pair a pass and no copy (a resident batch-1 step),
+the window is one pair: each pair computes itself, with no scan. Everything stays on the device: no sort, no host
+sync, and a grid that depends only on the pair count.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 MAX_WINDOW = 256  # pairs scanned for the group of an expert (32 tokens x top-8)
 
 
-def window_for(num_pairs: int) -> int:
+def window_for(num_pairs: int, block_tokens: int = 0, spread: bool = False, fills: bool = True) -> int:
+    """The window a launch scans for each pair's group. Spread, one pair a pass and nothing copied from host memory,
+    each pair computes itself: a window of one pair, no scan (a batch-1 decode step's case)."""
+    if spread and block_tokens == 1 and not fills:
+        return 1
     return min(triton.next_power_of_2(max(num_pairs, 1)), MAX_WINDOW)
 
 

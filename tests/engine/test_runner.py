@@ -73,6 +73,40 @@ def test_chunk_attention_is_prefill_attention_from_a_cache_holding_the_chunk(win
     assert not torch.allclose(chunk_attention(q, k, v.roll(1, 0), 0.25, window, sink), expected)
 
 
+def test_first_chunks_of_several_prompts_attend_each_to_its_own_in_one_launch() -> None:
+    from ops.fused import chunk_attention
+
+    generator = torch.Generator().manual_seed(6)
+    lengths, heads, kv_heads, dim = (5, 1, 9), 4, 2, 16
+    q, k, v = (torch.randn(sum(lengths), h, dim, generator=generator) for h in (heads, kv_heads, kv_heads))
+    for window in (0, 3):
+        got = chunk_attention(q, k, v, 0.25, window, lengths=lengths)
+        alone = [chunk_attention(*(t[a:b] for t in (q, k, v)), 0.25, window)
+                 for a, b in ((0, 5), (5, 6), (6, 15))]
+        torch.testing.assert_close(got, torch.cat(alone))
+    assert not torch.allclose(chunk_attention(q, k, v, 0.25), torch.cat(alone))  # one sequence: the rows mix
+
+
+def test_a_step_of_new_prompts_beside_decodes_gives_each_its_own_logits(tiny_gguf: Path) -> None:
+    """Two sequences decoding and three prompts' first chunks in one step (the prompts attending over their own keys
+    and values in one launch, `ForwardBatch.first_chunks`): each row's logits as its sequence's step alone."""
+    engine = LLMEngine(EngineConfig(model=ModelConfig(str(tiny_gguf), device="cpu", max_context=64),
+                                    scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=128)))
+    runner, cpu = engine.runner, torch.device("cpu")
+    prompt = lambda n, seed: [int(t) for t in torch.randint(  # noqa: E731
+        1, engine.weights.hparams.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))]
+    for slot in (0, 1):  # the decoding sequences' first 5 positions
+        runner._step(ForwardBatch.build([SeqSpan(slot, 0, 5)], [prompt(5, slot)], cpu))
+    spans = [SeqSpan(0, 5, 1), SeqSpan(1, 5, 1), SeqSpan(2, 0, 7), SeqSpan(3, 0, 3), SeqSpan(4, 0, 11)]
+    ids = [[17], [23], prompt(7, 2), prompt(3, 3), prompt(11, 4)]
+    batch = ForwardBatch.build(spans, ids, cpu)
+    assert batch.singles == 2 and batch.first_chunks == (7, 3, 11)
+    alone = torch.cat([runner._step(ForwardBatch.build(spans[:2], ids[:2], cpu))] +
+                      [runner._step(ForwardBatch.build([s], [i], cpu)) for s, i in zip(spans[2:], ids[2:])])
+    torch.testing.assert_close(runner._step(batch), alone, rtol=1e-4, atol=1e-4)
+    assert ForwardBatch.build(spans[:3] + [SeqSpan(3, 3, 2)], ids[:3] + [[5, 6]], cpu).first_chunks == ()
+
+
 def test_a_chunk_that_cannot_be_captured_runs_eagerly(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     """A capture a kernel refuses does not fail the request: the prompt runs eagerly, as do the prompts after it."""

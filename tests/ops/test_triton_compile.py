@@ -59,12 +59,16 @@ VARIANTS = [(t, "silu", False, 0) for t in KERNEL_TYPES] + \
 def test_gate_up_and_down_compile_for_sm90(variant: tuple[QType, str, bool, int]) -> None:
     qtype, activation, biases, blocks = variant
     hidden, ff = (2048, 768) if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else (2880, 704)
-    compile_for_sm90(_gate_up_kernel, {"alpha": "fp32", "limit": "fp32"},
-                     dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BT=1, BR=16,
-                          WINDOW=64, GROUP=16, FILL=True, COPY=1024, ACT=ACTIVATIONS[activation], BIAS=biases,
-                          BLOCKS=step_blocks(hidden, blocks)))
-    compile_for_sm90(_down_kernel, {}, dict(DOWN_FMT=int(qtype), FF=ff, BT=2, BR=32, WINDOW=64, FILL=True,
-                                            COPY=1024, BIAS=biases, BLOCKS=step_blocks(ff, blocks)))
+    # the launches of streamed misses (groups scanned in a window, copies), and a resident batch-1 step's (one pair
+    # a pass, nothing copied: each pair its own window)
+    for window, fill, down_bt in ((64, True, 2), (1, False, 1)):
+        compile_for_sm90(_gate_up_kernel, {"alpha": "fp32", "limit": "fp32"},
+                         dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BT=1, BR=16,
+                              WINDOW=window, GROUP=16, FILL=fill, SPREAD=True, COPY=1024,
+                              ACT=ACTIVATIONS[activation], BIAS=biases, BLOCKS=step_blocks(hidden, blocks)))
+        compile_for_sm90(_down_kernel, {}, dict(DOWN_FMT=int(qtype), FF=ff, BT=down_bt, BR=32, WINDOW=window,
+                                                FILL=fill, SPREAD=True, COPY=1024, BIAS=biases,
+                                                BLOCKS=step_blocks(ff, blocks)))
 
 
 @needs_backend

@@ -29,6 +29,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the GPU 
 
 from ops.triton import ExpertTables, LaunchConfig, expert_ffn_triton, grouped_expert_ffn, tables_from_bank  # noqa: E402
 from ops.triton.experts import gate_format  # noqa: E402
+from ops.triton.pairs import MAX_WINDOW, window_for  # noqa: E402
 from ops.triton.prepare import Prepared, launch_prepare  # noqa: E402
 from ops.triton.qdot import INT8_CAPABLE, _int8_types, reads_int8  # noqa: E402
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
@@ -455,6 +456,14 @@ INTERPRETER_CHECKS.append(("prepared x",
 @needs_no_cuda
 def test_kernels_under_the_interpreter() -> None:
     run_interpreted(__file__, INTERPRETER_CHECKS, timeout=900)
+
+
+def test_a_pair_is_its_own_window_only_where_nothing_is_shared_or_copied() -> None:
+    assert window_for(8, 1, spread=True, fills=False) == 1  # a resident batch-1 step: no scan
+    assert window_for(8, 2, spread=True, fills=False) == 8  # pairs of an expert computed together: their group
+    assert window_for(8, 1, spread=False, fills=False) == 8  # the group's first pair computes it all
+    assert window_for(8, 1, spread=True, fills=True) == 8  # a streamed expert is copied by one program
+    assert window_for(1000) == MAX_WINDOW and window_for(3) == 4
 
 
 def test_the_int8_formats_are_named_by_the_environment() -> None:
