@@ -80,11 +80,15 @@ class ForwardBatch:
         return next((n for n, s in enumerate(self.spans) if s.num_tokens != 1), len(self.spans))
 
     @cached_property
-    def first_chunks(self) -> tuple[int, ...]:
-        """The lengths of the spans after the leading one-token spans where each is a prompt's first chunk (start 0)
-        and there are several, else (): their rows attend over their own keys and values in one launch."""
+    def first_chunks(self) -> torch.Tensor | None:
+        """Where the spans after the leading one-token spans are several prompts' first chunks (start 0): the index of
+        each of their rows' chunk `[rows]` (their rows attend over their own keys and values in one launch); else
+        None. Made once a step, on the device."""
         chunks = self.spans[self.singles:]
-        return tuple(s.num_tokens for s in chunks) if len(chunks) > 1 and not any(s.start for s in chunks) else ()
+        if len(chunks) < 2 or any(s.start for s in chunks):
+            return None
+        index = [c for c, s in enumerate(chunks) for _ in range(s.num_tokens)]
+        return torch.tensor(index, device=self.input_ids.device)
 
 
 def rope_frequencies(head_dim: int, theta: float, scale: float, device: torch.device,
@@ -258,7 +262,7 @@ class Model:
         first chunks (`ForwardBatch.first_chunks`) over their own keys and values (`own`) in one launch too, as when
         many requests come in together (32 streams' prompts waited 430 ms for their first tokens in the server, a
         chunk at a time: H100, 2026-12-07)."""
-        singles, together = batch.singles, own is not None and bool(batch.first_chunks)
+        singles, together = batch.singles, own is not None and batch.first_chunks is not None
         outs, row = [], 0
         if singles > 1 or (singles and together):
             keys, values = kv.window(i, max(s.end for s in batch.spans[:singles]))

@@ -12,7 +12,6 @@ dtype, softmax over all experts in float32.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from functools import cache
 from typing import Literal, NamedTuple
 
@@ -250,17 +249,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
-                    sinks: torch.Tensor | None = None, lengths: Sequence[int] = ()) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, sequence: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a sequence's first chunk over its own keys and values: q `[n, heads, head_dim]`, k and v
     `[n, kv_heads, head_dim]` at positions 0..n-1 -> `[n, heads, head_dim]` (what `prefill_attention` gives at
     start 0 from a cache holding k and v unquantized). Rows after a shorter sequence only see it and themselves.
-    `lengths`: the rows are the first chunks of several sequences one after another, each attending to its own: one
-    launch for all (a prompt each, a step of prompts that came in together)."""
+    `sequence` `[n]` (on q's device): the rows are the first chunks of several sequences one after another, row i
+    of sequence[i], each attending to its own: one launch for all (a step of prompts that came in together)."""
     n = q.shape[0]
     mask = causal_mask(torch.arange(n, device=q.device), n, window)
-    if lengths:
-        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
-                                           torch.tensor(lengths, device=q.device), output_size=n)
+    if sequence is not None:
         mask &= sequence[:, None] == sequence[None, :]
     out = attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale, sinks)
     return out[0].transpose(0, 1)

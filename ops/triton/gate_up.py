@@ -199,9 +199,7 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
         math.alpha, math.limit,
         GATE_FMT=int(tables.gate_type), UP_FMT=int(tables.up_type), DOWN_FMT=down_order, HIDDEN=tables.hidden,
         BT=bt, BR=block_rows, WINDOW=window_for(num_pairs, bt, spread, fill is not None), GROUP=GROUP,
-        FILL=fill is not None, SPREAD=spread,
-        COPY=COPY_BLOCK,
-        ACT=ACTIVATIONS[math.activation], BIAS=biases,
+        FILL=fill is not None, SPREAD=spread, COPY=COPY_BLOCK, ACT=ACTIVATIONS[math.activation], BIAS=biases,
         BLOCKS=step_blocks(tables.hidden, blocks or default_blocks(tables.gate_type, num_tokens), tables.gate_type),
         num_warps=num_warps or warps_for(block_rows, tables.gate_type),
     )

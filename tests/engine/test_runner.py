@@ -77,10 +77,11 @@ def test_first_chunks_of_several_prompts_attend_each_to_its_own_in_one_launch() 
     from ops.fused import chunk_attention
 
     generator = torch.Generator().manual_seed(6)
-    lengths, heads, kv_heads, dim = (5, 1, 9), 4, 2, 16
-    q, k, v = (torch.randn(sum(lengths), h, dim, generator=generator) for h in (heads, kv_heads, kv_heads))
+    heads, kv_heads, dim = 4, 2, 16
+    q, k, v = (torch.randn(15, h, dim, generator=generator) for h in (heads, kv_heads, kv_heads))
+    sequence = torch.tensor([0] * 5 + [1] + [2] * 9)
     for window in (0, 3):
-        got = chunk_attention(q, k, v, 0.25, window, lengths=lengths)
+        got = chunk_attention(q, k, v, 0.25, window, sequence=sequence)
         alone = [chunk_attention(*(t[a:b] for t in (q, k, v)), 0.25, window)
                  for a, b in ((0, 5), (5, 6), (6, 15))]
         torch.testing.assert_close(got, torch.cat(alone))
@@ -100,11 +101,12 @@ def test_a_step_of_new_prompts_beside_decodes_gives_each_its_own_logits(tiny_ggu
     spans = [SeqSpan(0, 5, 1), SeqSpan(1, 5, 1), SeqSpan(2, 0, 7), SeqSpan(3, 0, 3), SeqSpan(4, 0, 11)]
     ids = [[17], [23], prompt(7, 2), prompt(3, 3), prompt(11, 4)]
     batch = ForwardBatch.build(spans, ids, cpu)
-    assert batch.singles == 2 and batch.first_chunks == (7, 3, 11)
+    assert batch.singles == 2 and batch.first_chunks is not None
+    assert batch.first_chunks.tolist() == [0] * 7 + [1] * 3 + [2] * 11
     alone = torch.cat([runner._step(ForwardBatch.build(spans[:2], ids[:2], cpu))] +
                       [runner._step(ForwardBatch.build([s], [i], cpu)) for s, i in zip(spans[2:], ids[2:])])
     torch.testing.assert_close(runner._step(batch), alone, rtol=1e-4, atol=1e-4)
-    assert ForwardBatch.build(spans[:3] + [SeqSpan(3, 3, 2)], ids[:3] + [[5, 6]], cpu).first_chunks == ()
+    assert ForwardBatch.build(spans[:3] + [SeqSpan(3, 3, 2)], ids[:3] + [[5, 6]], cpu).first_chunks is None
 
 
 def test_a_chunk_that_cannot_be_captured_runs_eagerly(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
