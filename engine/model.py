@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -49,6 +50,9 @@ class ForwardBatch:
     kv_length: int  # decode attention reads this many positions of each slot (>= every position + 1)
     token_mask: torch.Tensor | None = None  # [tokens] bool; False rows (padding) route to no expert
     fresh: bool = False  # one sequence's first chunk (start 0), padded rows after it: it attends over its own k, v
+    # where the spans after the leading one-token spans are several prompts' first chunks (start 0): the chunk of each
+    # of their rows `[rows]` int64 (they attend over their own keys and values in one launch); else None
+    first_chunks: torch.Tensor | None = None
 
     @classmethod
     def build(cls, spans: list[SeqSpan], token_ids: list[list[int]], device: torch.device,
@@ -63,8 +67,11 @@ class ForwardBatch:
         rows = [end - s.end + p for s, end, first in zip(spans, ends, froms, strict=True)
                 for p in range(min(max(first, s.start), s.end - 1), s.end)]
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+        chunks = spans[leading_singles(spans):]
+        first_chunks = None if len(chunks) < 2 or any(s.start for s in chunks) else \
+            as_tensor([c for c, s in enumerate(chunks) for _ in range(s.num_tokens)])
         return cls(as_tensor(ids), as_tensor(positions), as_tensor(slots), tuple(spans), as_tensor(rows),
-                   max(s.end for s in spans))
+                   max(s.end for s in spans), first_chunks=first_chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -77,18 +84,12 @@ class ForwardBatch:
     @cached_property
     def singles(self) -> int:
         """The leading spans of one token (sequences that decode in a step that also prefills)."""
-        return next((n for n, s in enumerate(self.spans) if s.num_tokens != 1), len(self.spans))
+        return leading_singles(self.spans)
 
-    @cached_property
-    def first_chunks(self) -> torch.Tensor | None:
-        """Where the spans after the leading one-token spans are several prompts' first chunks (start 0): the index of
-        each of their rows' chunk `[rows]` (their rows attend over their own keys and values in one launch); else
-        None. Made once a step, on the device."""
-        chunks = self.spans[self.singles:]
-        if len(chunks) < 2 or any(s.start for s in chunks):
-            return None
-        index = [c for c, s in enumerate(chunks) for _ in range(s.num_tokens)]
-        return torch.tensor(index, device=self.input_ids.device)
+
+def leading_singles(spans: Sequence[SeqSpan]) -> int:
+    """How many spans of one token lead `spans`."""
+    return next((n for n, s in enumerate(spans) if s.num_tokens != 1), len(spans))
 
 
 def rope_frequencies(head_dim: int, theta: float, scale: float, device: torch.device,
