@@ -141,7 +141,7 @@ class ServeSettings:
     clients: tuple[int, ...]
     paths: tuple[str, ...]
     gen_len: int  # tokens each stream generates (greedy, ignore_eos)
-    prompt_tokens: int
+    prompt_tokens: int  # the first stream's prompt
     repeats: int  # runs per row; the run of median decode speed is reported
     num_joining: int = 0  # requests that join runs of their own once every stream decodes
     joining_prompt_tokens: int = 0

@@ -82,11 +82,11 @@ def run(args: argparse.Namespace) -> int:
     check_batches(args, config)
     tokenizer = Tokenizer.from_metadata(GGUFFile(str(config.model.path)).metadata)
     loads, joining = stream_loads(args), joining_load(args, tokenizer)
-    settings = ServeSettings(tuple(args.clients), tuple(args.paths), args.gen_len, len(tokenizer.encode(args.prompt)),
+    prompts = GivenPrompts([tuple(tokenizer.encode(load.prompt)) for load in loads])
+    settings = ServeSettings(tuple(args.clients), tuple(args.paths), args.gen_len, len(prompts.prompts[0]),
                              args.repeats, args.join, args.join_prompt_len if args.join else 0,
                              args.join_every_ms if args.join else 0.0, args.same_prompt)
     served, server = measure_served(args, config, settings, loads, joining)
-    prompts = GivenPrompts([tuple(tokenizer.encode(load.prompt)) for load in loads])
     engine = () if args.no_engine else measure_engine(config, args.routing, settings, prompts)
     machine = describe_machine(resolve_device(config.model.device))
     report = ServeBenchReport(str(config.model.path), server, machine, settings, served, engine)
