@@ -53,20 +53,20 @@ class CopyEngine:
             self.stream.wait_event(after)
         return self._copy_on_stream(pairs)
 
-    def gather(self, sources: list[list[int]], dsts: tuple[torch.Tensor, ...], host_bytes: int,
+    def gather(self, sources: list[list[int]], rows: list[int], dsts: tuple[torch.Tensor, ...], host_bytes: int,
                after: torch.cuda.Event | None) -> torch.cuda.Event:
-        """CUDA only: dsts[i][e] = the expert matrix at address sources[i][e] (a VRAM slot or pinned host memory),
-        one launch a matrix (`ops.triton.gather_experts`), once `after` has happened; host_bytes: the bytes read
-        from the host."""
+        """CUDA only: dsts[i][rows[j]] = the expert matrix at address sources[i][j] (a VRAM slot or pinned host
+        memory), one launch a matrix (`ops.triton.gather_experts`), once `after` has happened; host_bytes: the bytes
+        read from the host."""
         from ops.triton import gather_experts
 
         if after is not None:
             self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
             # NOTE: the caching host allocator keeps the pinned table until the stream has read it
-            table = torch.tensor(sources, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+            table = torch.tensor([*sources, rows], dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
             for i, dst in enumerate(dsts):
-                gather_experts(table[i], dst)
+                gather_experts(table[i], table[len(sources)], dst)
             return self._finish(host_bytes)
 
     def _copy_on_stream(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:

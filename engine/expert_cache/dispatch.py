@@ -72,7 +72,8 @@ class ExpertDispatcher:
         self.changes = torch.zeros((manager.max_changes, 4), dtype=torch.int64, pin_memory=pin)
         self._header_np, self._changes_np = self.header.numpy(), self.changes.numpy()  # written by the host
         self.on_device = on_device  # the Triton kernels (CUDA); else torch references and the CPU kernels
-        self.stager = LayerStager(host, manager.pools, manager.group_of, manager.slots_of, manager.copies, tier) \
+        self.stager = LayerStager(host, manager.pools, manager.group_of, manager.slots_of, manager.copies, tier,
+                                  in_place=self._prompts_read_tables()) \
             if on_device and host else None
         self.kind, self.pairs, self.num_tokens, self.previous_pairs = StepKind.DECODE, 0, 0, 0
         self._resident_ids: list[torch.Tensor] = []
@@ -166,6 +167,18 @@ class ExpertDispatcher:
         """A prefill's experts as bf16 grouped GEMMs (`ops.grouped_gemm`). NOTE: not for float32 activations: a
         float32 model's prefill would compute its experts in bf16 and write K and V of its prompt from them."""
         return x.dtype != torch.float32 and grouped_gemm_available(self.device)
+
+    def _prompts_read_tables(self) -> bool:
+        """Whether a prompt's host layers are computed by kernels that find each expert through its address (so a
+        staged layer's cached experts stay in their slots): the fused prefill GEMMs for the host banks' formats, or
+        the decode kernels where the tensor cores do not take prompts. Else the dequantizing grouped GEMM reads
+        whole banks."""
+        if not self.on_device or not self.host:
+            return False
+        from ops.grouped_gemm import prefill_experts
+        from ops.triton.moe_gemm import covers
+        return not grouped_gemm_available(self.device) or \
+            (prefill_experts() == "fused" and all(covers(bank) for bank in self.host.values()))
 
     def _resident_ffn(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                       weights: torch.Tensor) -> torch.Tensor:
@@ -270,8 +283,9 @@ class ExpertDispatcher:
         return replace(pool, math=host.math.at_rows(expert_of_slot))
 
     def _prefill(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """A large batch: the layer's experts staged whole in VRAM (cached ones copied from their slots) or,
-        where the device is the CPU, read in place. The cache is read, never changed."""
+        """A large batch: the layer's uncached experts staged in VRAM, its cached ones read in their slots (or copied
+        from there beside them, `LayerStager.in_place`) or, where the device is the CPU, read in place. The cache is
+        read, never changed."""
         row, n = self.rows[layer], expert_ids.numel()
         ids = expert_ids.flatten()
         slots = self.manager.tables.state[row][ids.clamp(min=0)].long()
@@ -283,10 +297,14 @@ class ExpertDispatcher:
         assert self.stager is not None, "the device stages host layers for large batches"
         used = ids[ids >= 0].unique().tolist() if self._on_disk(layer) else None  # a host sync: not captured
         bank = self.stager.bank(layer, used)
-        if self._tensor_cores(x):
-            out = expert_ffn_grouped_gemm(x, *flatten_pairs(expert_ids, weights), bank)
+        tables, pairs = self.stager.tables(layer, bank), flatten_pairs(expert_ids, weights)
+        if self._tensor_cores(x) and self.stager.in_place:
+            from ops.triton.moe_gemm import expert_ffn_moe_gemm
+            out = expert_ffn_moe_gemm(x, *pairs, tables)
+        elif self._tensor_cores(x):
+            out = expert_ffn_grouped_gemm(x, *pairs, replace(bank, math=tables.math))
         else:
-            from ops.triton import grouped_expert_ffn, tables_from_bank
-            out = grouped_expert_ffn(x, *flatten_pairs(expert_ids, weights), tables_from_bank(bank, self.device))
+            from ops.triton import grouped_expert_ffn
+            out = grouped_expert_ffn(x, *pairs, tables)
         self.stager.release(bank)
         return out.to(x.dtype)

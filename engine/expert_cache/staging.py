@@ -1,9 +1,14 @@
-"""Prefill's expert staging (CUDA): a large batch uses nearly every expert of a layer, so each host layer
-is copied whole into one of two VRAM buffers on the copy stream, the next layer's copy running while
-the current layer computes (double buffering). Cached experts come from their slots (device to
-device); the rest from pinned host memory, in runs of consecutive experts (one copy per run and part). Where the
-cached experts break a layer into more than `GATHER_RUNS` runs, one launch a part copies every expert from its
-address instead (`ops.triton.gather_experts`): a copy call a run would cost the host more than the copies take.
+"""Prefill's expert staging (CUDA): a large batch uses nearly every expert of a layer, so each host layer's
+uncached experts are copied into one of two VRAM buffers on the copy stream, the next layer's copy running while
+the current layer computes (double buffering), in runs of consecutive experts from pinned host memory (one copy
+per run and part: the copy engine's, which leaves the multiprocessors to the layer's kernels).
+
+Cached experts are read where they are (`in_place`): the staged layer's tables (`tables`) address each cached
+expert in its slot and each other one in the buffer, for kernels that find experts through such tables (the fused
+prefill GEMMs, `ops.triton.moe_gemm`, and the decode kernels). Where the prefill reads a whole bank instead (the
+dequantizing grouped GEMM, `ops.grouped_gemm`), cached experts are copied from their slots too (device to device).
+Where the runs to copy are more than `GATHER_RUNS`, one launch a part copies every expert from its address
+instead (`ops.triton.gather_experts`): a copy call a run would cost the host more than the copies take.
 A layer on disk (`--ssd-moe`) stages only the experts the batch uses, the uncached ones read through the host-RAM
 tier a slot pool's worth at a time, each copy waited for before the tier refills its slots (no prefetch).
 """
@@ -11,30 +16,40 @@ tier a slot pool's worth at a time, each copy waited for before the tier refills
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.expert_cache.device import CopyEngine, bank_shape, empty_bank, expert_parts
 from engine.expert_cache.ram_tier import RamTier
 from ops.bank import ExpertWeights
+from ops.expert_math import ExpertMath
+
+if TYPE_CHECKING:
+    from ops.triton.tables import ExpertTables
 
 GATHER_RUNS = 8  # runs of a layer past which its staging is one gather launch a part, not a copy call a run
+# NOTE: a layer of 128 experts half cached in place has ~32 uncached runs: copies of 2-3 MB on the copy engine
+IN_PLACE_GATHER_RUNS = 64
 
 
 class LayerStager:
     def __init__(self, host: Mapping[int, ExpertWeights], pools: Mapping[int, ExpertWeights],
                  group_of: Mapping[int, int], slots_of: Callable[[int], list[int]], copies: CopyEngine,
-                 tier: RamTier | None = None) -> None:
+                 tier: RamTier | None = None, in_place: bool = False) -> None:
         """slots_of(layer): the slot (or -1) of each of the layer's experts, as published now. tier: the layers on
-        disk (their `host` banks are the map's views, never read)."""
+        disk (their `host` banks are the map's views, never read). in_place: cached experts are read in their slots
+        through `tables`, not copied."""
         self.host, self.pools, self.group_of, self.slots_of, self.copies = host, pools, group_of, slots_of, copies
-        self.tier = tier
-        self.gather_runs = GATHER_RUNS
+        self.tier, self.in_place = tier, in_place
+        self.gather_runs = IN_PLACE_GATHER_RUNS if in_place else GATHER_RUNS
         self.order = sorted(host)
         self.buffers: dict[tuple, list[ExpertWeights]] = {}  # bank shape -> its two buffers
         self.turn: dict[tuple, int] = {}
         self.free: dict[int, torch.cuda.Event] = {}  # id(buffer) -> recorded after its last reader
         self.ready: dict[int, tuple[ExpertWeights, torch.cuda.Event]] = {}  # layer -> (buffer, copied)
+        self._tables: dict[tuple, torch.Tensor] = {}  # (layer, buffer, slots) -> its addresses `[3, experts]`
+        self._math: dict[int, ExpertMath] = {}  # layer -> its expert math on the device
 
     def bank(self, layer: int, used: list[int] | None = None) -> ExpertWeights:
         """The layer's experts in VRAM, ready for the compute stream; starts copying the next host layer.
@@ -65,14 +80,36 @@ class LayerStager:
             torch.cuda.current_stream(self.copies.device).wait_stream(self.copies.stream)
         self.ready.clear()
 
+    def tables(self, layer: int, buffer: ExpertWeights) -> ExpertTables:
+        """The staged layer as the kernels read it, by expert id: each cached expert in its slot where `in_place`
+        (else in `buffer`, copied there), each other one in `buffer`; the layer's expert math."""
+        from ops.triton.tables import ExpertTables
+
+        host = self.host[layer]
+        key = (layer, buffer.gate.data_ptr(), tuple(self.slots_of(layer)[:host.num_experts]) if self.in_place else ())
+        ptrs = self._tables.get(key)
+        if ptrs is None:
+            runs = self.runs(layer) if self.in_place else [(0, host.num_experts, -1)]
+            ptrs = torch.tensor(self.sources(layer, runs, buffer), dtype=torch.int64)
+            if buffer.gate.is_cuda:
+                ptrs = ptrs.pin_memory().to(buffer.gate.device, non_blocking=True)
+            self._tables = {k: v for k, v in self._tables.items() if k[0] != layer} | {key: ptrs}
+        math = self._math.get(layer)
+        if math is None:
+            math = self._math[layer] = host.math.to(buffer.gate.device)
+        return ExpertTables(ptrs[0], ptrs[1], ptrs[2], host.gate_type, host.up_type, host.down_type, host.hidden,
+                            host.ff, math)
+
     def _upload(self, layer: int) -> None:
         host = self.host[layer]
         buffer = self._next_buffer(host)
-        runs, after = self.runs(layer), self.free.pop(id(buffer), None)
+        runs, after = self.copied_runs(layer), self.free.pop(id(buffer), None)
         if len(runs) > self.gather_runs:
             host_bytes = sum(stop - start for start, stop, slot in runs if slot < 0) * host.expert_bytes
             parts = expert_parts(buffer, slice(None))
-            self.ready[layer] = (buffer, self.copies.gather(self.sources(layer, runs), parts, host_bytes, after))
+            rows = [e for start, stop, _ in runs for e in range(start, stop)]
+            sources = [[part[e] for e in rows] for part in self.sources(layer, runs, host)]
+            self.ready[layer] = (buffer, self.copies.gather(sources, rows, parts, host_bytes, after))
             return
         pairs = []
         for start, stop, slot in runs:
@@ -83,11 +120,12 @@ class LayerStager:
                 pairs.append((dst_part, src_part))
         self.ready[layer] = (buffer, self.copies.upload(pairs, after=after))
 
-    def sources(self, layer: int, runs: list[tuple[int, int, int]]) -> list[list[int]]:
-        """For gate, up and down: the address of each of the layer's experts, in its slot or in host memory (`runs`)."""
+    def sources(self, layer: int, runs: list[tuple[int, int, int]], uncached: ExpertWeights) -> list[list[int]]:
+        """For gate, up and down: the address of each of the layer's experts in `runs`, in its slot or, uncached, in
+        the bank `uncached` (host memory, or the staging buffer) at its own row; 0 for the experts of no run."""
         sources = [[0] * len(self.host[layer].gate) for _ in range(3)]
         for start, stop, slot in runs:
-            src, first = (self.pools[self.group_of[layer]], slot) if slot >= 0 else (self.host[layer], start)
+            src, first = (self.pools[self.group_of[layer]], slot) if slot >= 0 else (uncached, start)
             for i, t in enumerate(expert_parts(src, slice(None))):
                 base, step = t.data_ptr(), t.stride(0)
                 sources[i][start:stop] = range(base + first * step, base + (first + stop - start) * step, step)
@@ -113,6 +151,10 @@ class LayerStager:
             self.copies.upload(pairs, after).synchronize()
             pairs, after = [], None
         self.ready[layer] = (buffer, self.copies.upload(pairs, after))
+
+    def copied_runs(self, layer: int) -> list[tuple[int, int, int]]:
+        """The runs a layer's staging copies: the uncached ones where cached experts are read `in_place`, else all."""
+        return [run for run in self.runs(layer) if run[2] < 0 or not self.in_place]
 
     def runs(self, layer: int) -> list[tuple[int, int, int]]:
         """(start, stop, slot): runs of consecutive uncached experts (slot -1), single cached ones."""

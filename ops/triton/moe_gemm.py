@@ -2,7 +2,7 @@
 
 The (token, expert) pairs are sorted by expert (`order`, per-expert `ends`); a tile is BLOCK_M consecutive
 pairs of ONE expert. A program computes one tile x BLOCK_N output rows: it loops over K, loads the expert's
-quantized weights for (BLOCK_N rows, BLOCK_K cols) from the bank's raw bytes, dequantizes them in registers to
+quantized weights for (BLOCK_N rows, BLOCK_K cols) from the expert's raw bytes, dequantizes them in registers to
 bf16 and multiplies them with the bf16 activations on the tensor cores (`tl.dot`, float32 accumulation).
 Nothing dequantized ever reaches memory: the grouped GEMM of `ops.grouped_gemm` writes and re-reads ~1.2 GB of
 bf16 per Qwen3-30B-A3B layer at pp512, these kernels read the ~0.34 GB of quantized bytes once per tile.
@@ -16,6 +16,10 @@ Three kernels per layer:
 A weight tile is `[BLOCK_N, BLOCK_K // 16, 16]`: groups of 16 consecutive weights, the finest unit of a
 scale in every format here (Q6_K's sub-blocks), so each group finds its own block and scales. BLOCK_K is any
 multiple of 16 dividing K: a K-quant super-block may span several K steps, its scales are read per group.
+
+An expert's bytes are found through its address (`ops.triton.tables.ExpertTables`, as the decode kernels find
+theirs), so one launch reads experts wherever they are: a bank's rows, or a prompt's staged layer whose cached
+experts stay in their cache slots (`engine.expert_cache.staging`).
 
 The tile schedule needs no host sync: the grid has an upper bound of tiles, `cdiv(pairs, BLOCK_M) +
 experts`; a program finds its expert from the per-expert tile counts (computed on the device) and exits
@@ -33,12 +37,13 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 from ops.bank import ExpertWeights
-from ops.expert_math import ExpertMath
 from ops.quants import QType
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_rows, check_vector, interpreting
 from ops.triton.dequant import _byte, _f16_at, _float, _scale_min_k4
+from ops.triton.experts import tables_from_bank
 from ops.triton.gate_up import ACTIVATIONS, _activation
 from ops.triton.qdot import KERNEL_TYPES, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _e2m1, _e8m0_scale, has_kernel
+from ops.triton.tables import ExpertTables
 
 GROUP = 16  # weights sharing one scale, in every format of KERNEL_TYPES
 SUM_COLS = 256  # columns per program of the per-token sum
@@ -228,6 +233,12 @@ def _k4_super(acc, a_ptrs, rmask, base, blk, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _expert_base(ptrs, e):
+    """Expert e's first byte, from its table of addresses (16-byte aligned, `ExpertTables`)."""
+    return tl.multiple_of(tl.load(ptrs + e).to(tl.pointer_type(tl.uint8)), 16)
+
+
+@triton.jit
 def _tile(ends, tile_ends, num_experts, BM: tl.constexpr, E_POW2: tl.constexpr):
     """Program axis 1 -> (expert, its first sorted pair, its end): tile t is the expert's (t - its first
     tile)-th; expert >= num_experts for a program past the last tile."""
@@ -243,8 +254,8 @@ def _tile(ends, tile_ends, num_experts, BM: tl.constexpr, E_POW2: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts, gate, gate_estride, gate_row,
-                    up, up_estride, up_row, gate_bias, up_bias, alpha, limit, h, hidden, ff,
+def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts, gate_ptrs, gate_row,
+                    up_ptrs, up_row, gate_bias, up_bias, alpha, limit, h, hidden, ff,
                     GATE_FMT: tl.constexpr, UP_FMT: tl.constexpr, ACT: tl.constexpr, GATE_BIAS: tl.constexpr,
                     UP_BIAS: tl.constexpr, SUPER: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_POW2: tl.constexpr,
@@ -258,8 +269,8 @@ def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts,
     a_ptrs = x + tokens.to(tl.int64)[:, None] * x_stride + tl.arange(0, BK)[None, :]
     n = tl.program_id(0) * BN + tl.arange(0, BN)  # rows of gate and up
     e = expert.to(tl.int64)
-    g_base, g_rows = gate + e * gate_estride, (n * gate_row)[:, None, None]
-    u_base, u_rows = up + e * up_estride, (n * up_row)[:, None, None]
+    g_base, g_rows = _expert_base(gate_ptrs, e), (n * gate_row)[:, None, None]
+    u_base, u_rows = _expert_base(up_ptrs, e), (n * up_row)[:, None, None]
     if SUPER:  # the weights as the left operand: accumulators `[BN, BM]`
         acc_gt = tl.zeros([BN, BM], dtype=tl.float32)
         acc_ut = tl.zeros([BN, BM], dtype=tl.float32)
@@ -284,7 +295,7 @@ def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts,
 
 
 @triton.jit
-def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down, down_estride, down_row, down_bias, y,
+def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down_ptrs, down_row, down_bias, y,
                  hidden, ff, BIAS: tl.constexpr, DOWN_FMT: tl.constexpr, SUPER: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, E_POW2: tl.constexpr, INTERPRET: tl.constexpr):
     expert, first, end = _tile(ends, tile_ends, num_experts, BM, E_POW2)
@@ -295,7 +306,7 @@ def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down, down_est
     a_ptrs = h + rows.to(tl.int64)[:, None] * ff + tl.arange(0, BK)[None, :]
     n = tl.program_id(0) * BN + tl.arange(0, BN)  # rows of down: output columns
     e = expert.to(tl.int64)
-    d_base, d_rows = down + e * down_estride, (n * down_row)[:, None, None]
+    d_base, d_rows = _expert_base(down_ptrs, e), (n * down_row)[:, None, None]
     if SUPER:
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
         for kb in range(0, ff // 256):
@@ -332,28 +343,36 @@ def _sum_kernel(y, by_token, token_ends, key, num_experts, out, hidden, BH: tl.c
 
 
 def expert_ffn_moe_gemm(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
-                        bank: ExpertWeights, config: MoeGemmConfig = MoeGemmConfig()) -> torch.Tensor:
-    """The signature of `ops.expert_ffn` (rows -1, or out of the bank, skipped) -> float32 `[tokens, hidden]`:
-    bf16 activations and weights, float32 accumulation, h rounded to bf16. The bank (a `covers` one) and x on
-    one CUDA device; no host sync."""
+                        experts: ExpertWeights | ExpertTables, config: MoeGemmConfig = MoeGemmConfig()) -> torch.Tensor:
+    """The signature of `ops.expert_ffn` (rows -1, or out of range, skipped) -> float32 `[tokens, hidden]`: bf16
+    activations and weights, float32 accumulation, h rounded to bf16. experts: a bank (a `covers` one) on x's device,
+    or the tables of its experts' addresses there (each expert wherever it is); no host sync."""
+    tables = experts if isinstance(experts, ExpertTables) else tables_from_bank(_on(experts, x.device), x.device)
     num_pairs, device = token_ids.shape[0], x.device
-    _check(x, token_ids, bank_rows, weights, bank)
-    out = torch.zeros((x.shape[0], bank.hidden), dtype=torch.float32, device=device)
+    _check(x, token_ids, bank_rows, weights, tables)
+    out = torch.zeros((x.shape[0], tables.hidden), dtype=torch.float32, device=device)
     if num_pairs == 0 or x.shape[0] == 0:
         return out
-    block_m = config.tile_m(num_pairs, bank.num_experts)
-    key, order, ends, tile_ends = _schedule(bank_rows, bank.num_experts, block_m)
-    grid_tiles = triton.cdiv(num_pairs, block_m) + bank.num_experts
-    h = torch.empty((num_pairs, bank.ff), dtype=torch.bfloat16, device=device)
-    _launch_gate_up(x.to(torch.bfloat16), token_ids, order, ends, tile_ends, bank, h, block_m, grid_tiles, config)
-    y = torch.empty((num_pairs, bank.hidden), dtype=torch.float32, device=device)
-    _launch_down(h, order, weights, ends, tile_ends, bank, y, block_m, grid_tiles, config)
+    block_m = config.tile_m(num_pairs, tables.num_experts)
+    key, order, ends, tile_ends = _schedule(bank_rows, tables.num_experts, block_m)
+    grid_tiles = triton.cdiv(num_pairs, block_m) + tables.num_experts
+    h = torch.empty((num_pairs, tables.ff), dtype=torch.bfloat16, device=device)
+    _launch_gate_up(x.to(torch.bfloat16), token_ids, order, ends, tile_ends, tables, h, block_m, grid_tiles, config)
+    y = torch.empty((num_pairs, tables.hidden), dtype=torch.float32, device=device)
+    _launch_down(h, order, weights, ends, tile_ends, tables, y, block_m, grid_tiles, config)
     by_token = torch.argsort(token_ids, stable=True)
     tokens = torch.arange(x.shape[0], dtype=token_ids.dtype, device=device)
     token_ends = torch.searchsorted(token_ids[by_token], tokens, right=True)
-    _sum_kernel[(x.shape[0], triton.cdiv(bank.hidden, SUM_COLS))](
-        y, by_token.int(), token_ends.int(), key, bank.num_experts, out, bank.hidden, BH=SUM_COLS)
+    _sum_kernel[(x.shape[0], triton.cdiv(tables.hidden, SUM_COLS))](
+        y, by_token.int(), token_ends.int(), key, tables.num_experts, out, tables.hidden, BH=SUM_COLS)
     return out
+
+
+def _on(bank: ExpertWeights, device: torch.device) -> ExpertWeights:
+    """The bank, refused unless it lives on `device` (the kernels read it there)."""
+    for name in ("gate", "up", "down"):
+        check_device(name, getattr(bank, name), device)
+    return bank
 
 
 def _schedule(bank_rows: torch.Tensor, num_experts: int,
@@ -371,34 +390,34 @@ def _schedule(bank_rows: torch.Tensor, num_experts: int,
 
 
 def _launch_gate_up(x: torch.Tensor, token_ids: torch.Tensor, order: torch.Tensor, ends: torch.Tensor,
-                    tile_ends: torch.Tensor, bank: ExpertWeights, h: torch.Tensor, block_m: int, grid_tiles: int,
+                    tile_ends: torch.Tensor, t: ExpertTables, h: torch.Tensor, block_m: int, grid_tiles: int,
                     config: MoeGemmConfig) -> None:
-    math = bank.math
-    biases = _biases(math, bank)
-    whole = whole_super_blocks(bank.gate_type, bank.hidden) and whole_super_blocks(bank.up_type, bank.hidden)
-    block_n, block_k = _fit(config.block_n, bank.ff), 32 if whole else _fit(config.block_k, bank.hidden)
-    _gate_up_kernel[(bank.ff // block_n, grid_tiles)](
-        x, x.stride(0), token_ids, order, ends, tile_ends, bank.num_experts, bank.gate, bank.gate.stride(0),
-        bank.gate.stride(1), bank.up, bank.up.stride(0), bank.up.stride(1), biases[0], biases[1],
-        math.alpha, math.limit, h, bank.hidden, bank.ff, GATE_FMT=int(bank.gate_type), UP_FMT=int(bank.up_type),
+    math = t.math
+    biases = _biases(t)
+    whole = whole_super_blocks(t.gate_type, t.hidden) and whole_super_blocks(t.up_type, t.hidden)
+    block_n, block_k = _fit(config.block_n, t.ff), 32 if whole else _fit(config.block_k, t.hidden)
+    _gate_up_kernel[(t.ff // block_n, grid_tiles)](
+        x, x.stride(0), token_ids, order, ends, tile_ends, t.num_experts, t.gate_ptrs, t.gate_row_bytes,
+        t.up_ptrs, t.up_row_bytes, biases[0], biases[1],
+        math.alpha, math.limit, h, t.hidden, t.ff, GATE_FMT=int(t.gate_type), UP_FMT=int(t.up_type),
         ACT=ACTIVATIONS[math.activation], GATE_BIAS=math.gate_bias is not None,
         UP_BIAS=math.up_bias is not None, SUPER=whole, BM=block_m, BN=block_n,
         BK=block_k,
-        E_POW2=triton.next_power_of_2(bank.num_experts), INTERPRET=interpreting(), num_warps=config.num_warps,
+        E_POW2=triton.next_power_of_2(t.num_experts), INTERPRET=interpreting(), num_warps=config.num_warps,
         num_stages=config.num_stages)
 
 
 def _launch_down(h: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
-                 tile_ends: torch.Tensor, bank: ExpertWeights, y: torch.Tensor, block_m: int, grid_tiles: int,
+                 tile_ends: torch.Tensor, t: ExpertTables, y: torch.Tensor, block_m: int, grid_tiles: int,
                  config: MoeGemmConfig) -> None:
-    bias = _biases(bank.math, bank)[2]
-    whole = whole_super_blocks(bank.down_type, bank.ff)
-    block_n, block_k = _fit(config.block_n, bank.hidden), 32 if whole else _fit(config.block_k, bank.ff)
-    _down_kernel[(bank.hidden // block_n, grid_tiles)](
-        h, order, weights, ends, tile_ends, bank.num_experts, bank.down, bank.down.stride(0), bank.down.stride(1),
-        bias, y, bank.hidden, bank.ff, BIAS=bank.math.down_bias is not None, DOWN_FMT=int(bank.down_type),
+    bias = _biases(t)[2]
+    whole = whole_super_blocks(t.down_type, t.ff)
+    block_n, block_k = _fit(config.block_n, t.hidden), 32 if whole else _fit(config.block_k, t.ff)
+    _down_kernel[(t.hidden // block_n, grid_tiles)](
+        h, order, weights, ends, tile_ends, t.num_experts, t.down_ptrs, t.down_row_bytes,
+        bias, y, t.hidden, t.ff, BIAS=t.math.down_bias is not None, DOWN_FMT=int(t.down_type),
         SUPER=whole, BM=block_m, BN=block_n, BK=block_k,
-        E_POW2=triton.next_power_of_2(bank.num_experts),
+        E_POW2=triton.next_power_of_2(t.num_experts),
         INTERPRET=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -415,31 +434,32 @@ def _fit(block: int, size: int) -> int:
     return block
 
 
-def _biases(math: ExpertMath, bank: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gate, up and down biases (float32, contiguous, checked), or the bank's bytes as an unread stand-in."""
-    return tuple(bank.gate if t is None else t for t in (math.gate_bias, math.up_bias, math.down_bias))  # type: ignore[return-value]
+def _biases(t: ExpertTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate, up and down biases (float32, contiguous, checked), or the address table as an unread stand-in."""
+    math = t.math
+    return tuple(t.gate_ptrs if b is None else b for b in (math.gate_bias, math.up_bias, math.down_bias))  # type: ignore[return-value]
 
 
 def _check(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
-           bank: ExpertWeights) -> None:
+           tables: ExpertTables) -> None:
     device, num_pairs = x.device, token_ids.shape[0]
-    check_rows("x", x, (x.shape[0], bank.hidden), FLOAT_DTYPES, device)
+    check_rows("x", x, (x.shape[0], tables.hidden), FLOAT_DTYPES, device)
     check_vector("token_ids", token_ids, num_pairs, INDEX_DTYPES, device)
     check_vector("bank_rows", bank_rows, num_pairs, INDEX_DTYPES, device)
     check_vector("weights", weights, num_pairs, FLOAT_DTYPES, device)
     for name in ("gate", "up", "down"):
-        check_device(name, getattr(bank, name), device)
-        qtype = getattr(bank, f"{name}_type")
+        check_device(f"{name}_ptrs", getattr(tables, f"{name}_ptrs"), device)
+        qtype = getattr(tables, f"{name}_type")
         if not has_kernel(qtype):
             raise ValueError(f"{name}: no tile kernel for {qtype.name} (formats: {[t.name for t in KERNEL_TYPES]})")
-    if bank.hidden % GROUP or bank.ff % GROUP:
-        raise ValueError(f"hidden {bank.hidden} and ff {bank.ff} must be multiples of {GROUP}")
-    math = bank.math
-    for name, cols in (("gate_bias", bank.ff), ("up_bias", bank.ff), ("down_bias", bank.hidden)):
+    if tables.hidden % GROUP or tables.ff % GROUP:
+        raise ValueError(f"hidden {tables.hidden} and ff {tables.ff} must be multiples of {GROUP}")
+    math = tables.math
+    for name, cols in (("gate_bias", tables.ff), ("up_bias", tables.ff), ("down_bias", tables.hidden)):
         bias = getattr(math, name)
         if bias is not None:
             check_device(name, bias, device)
-            if bias.dtype != torch.float32 or tuple(bias.shape) != (bank.num_experts, cols) \
+            if bias.dtype != torch.float32 or tuple(bias.shape) != (tables.num_experts, cols) \
                     or not bias.is_contiguous():
-                raise ValueError(f"{name}: expected contiguous float32 {(bank.num_experts, cols)}, got "
+                raise ValueError(f"{name}: expected contiguous float32 {(tables.num_experts, cols)}, got "
                                  f"{bias.dtype} {tuple(bias.shape)}")

@@ -134,7 +134,7 @@ def fill_experts(expert_ids: torch.Tensor, tables: ExpertTables, fill: Fill) -> 
 
 
 @triton.jit
-def _gather_kernel(sources, dst, num_experts, expert_bytes, BLOCK: tl.constexpr):
+def _gather_kernel(sources, rows, dst, num_experts, expert_bytes, BLOCK: tl.constexpr):
     # program p copies blocks p, p + P, ... of the experts' bytes laid end to end (P programs): a few programs, each
     # with BLOCK bytes of 16-byte loads in flight, leave the multiprocessors to the kernels that run beside them
     blocks_each = tl.cdiv(expert_bytes, BLOCK)
@@ -144,28 +144,30 @@ def _gather_kernel(sources, dst, num_experts, expert_bytes, BLOCK: tl.constexpr)
         o = (block % blocks_each).to(tl.int64) * BLOCK + offsets
         src = tl.multiple_of(tl.load(sources + expert).to(tl.pointer_type(tl.uint8)), 16)
         data = tl.load(src + o, mask=o < expert_bytes, other=0)
-        tl.store(dst + expert.to(tl.int64) * expert_bytes + o, data, mask=o < expert_bytes)
+        tl.store(dst + tl.load(rows + expert) * expert_bytes + o, data, mask=o < expert_bytes)
 
 
 GATHER_BLOCK = 16384  # bytes a program has in flight: 8 loads of 16 bytes a thread of 4 warps
 
 
-def gather_experts(sources: torch.Tensor, dst: torch.Tensor, programs: int = 0) -> None:
-    """dst[e] = the bytes of one expert's matrix at address sources[e], for every e: one launch, whatever the
-    sources (VRAM slots, pinned host memory read in place). dst: uint8 `[n, ...]`, contiguous; sources: int64 `[n]`
-    on dst's device, 16-byte aligned addresses. programs: 0 = one per multiprocessor."""
-    num_experts = dst.shape[0]
-    check_vector("sources", sources, num_experts, (torch.int64,), dst.device)
-    expert_bytes = dst[0].numel() if num_experts else 0
+def gather_experts(sources: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, programs: int = 0) -> None:
+    """dst[rows[i]] = the bytes of one expert's matrix at address sources[i], for every i: one launch, whatever the
+    sources (VRAM slots, pinned host memory read in place); dst's other rows are left as they are. dst: uint8
+    `[n, ...]`, contiguous; sources, rows: int64 `[m]` on dst's device, sources 16-byte aligned addresses, rows in
+    0..n-1. programs: 0 = one per multiprocessor."""
+    count = sources.shape[0] if sources.dim() == 1 else -1
+    check_vector("sources", sources, count, (torch.int64,), dst.device)
+    check_vector("rows", rows, count, (torch.int64,), dst.device)
+    expert_bytes = dst[0].numel() if dst.shape[0] else 0
     if dst.dtype != torch.uint8 or not dst.is_contiguous() or dst.data_ptr() % 16 or expert_bytes % 16:
         raise ValueError(f"dst: expected contiguous 16-byte aligned uint8 rows of a multiple of 16 bytes, got "
                          f"{dst.dtype} {tuple(dst.shape)}")
-    if num_experts == 0:
+    if count == 0:
         return
     if not programs:
         programs = torch.cuda.get_device_properties(dst.device).multi_processor_count if dst.is_cuda else 4
-    _gather_kernel[(min(programs, num_experts * triton.cdiv(expert_bytes, GATHER_BLOCK)),)](
-        sources, dst, num_experts, expert_bytes, BLOCK=GATHER_BLOCK, num_warps=4)
+    _gather_kernel[(min(programs, count * triton.cdiv(expert_bytes, GATHER_BLOCK)),)](
+        sources, rows, dst, count, expert_bytes, BLOCK=GATHER_BLOCK, num_warps=4)
 
 
 @triton.jit

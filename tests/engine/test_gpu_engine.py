@@ -133,16 +133,21 @@ def test_every_mode_equals_the_reference_while_the_cache_fills(weights: ModelWei
     cache.close()
 
 
-@pytest.mark.parametrize(("cpu_moe", "gather_runs"), [(True, 0), (True, 1 << 20), (False, None)],
-                         ids=["host-experts-gathered", "host-experts-copied", "resident"])
-def test_prefill_batches_equal_the_reference(weights: ModelWeights, cpu_moe: bool, gather_runs: int | None) -> None:
-    """Batches above max_cached_batch: layers staged whole (cached experts copied from their slots; a copy call a run
-    of experts, or one gather launch a part) or read resident, then grouped GEMMs in bf16; decode steps in between
-    keep changing the cache."""
+@pytest.mark.parametrize(("cpu_moe", "in_place", "gather_runs"),
+                         [(True, True, None), (True, True, 0), (True, False, 0), (True, False, 1 << 20),
+                          (False, None, None)],
+                         ids=["in-place-copied", "in-place-gathered", "whole-gathered", "whole-copied", "resident"])
+def test_prefill_batches_equal_the_reference(weights: ModelWeights, cpu_moe: bool, in_place: bool | None,
+                                             gather_runs: int | None) -> None:
+    """Batches above max_cached_batch: host layers staged (their cached experts read in their slots, or copied from
+    there beside the others; a copy call a run of experts, or one gather launch a part) or read resident, then
+    grouped GEMMs in bf16; decode steps in between keep changing the cache."""
     cache = make_cache(weights, cpu_moe=cpu_moe, budget_mib=2, miss_mode="stream")
-    if gather_runs is not None:
-        assert cache.dispatcher.stager is not None
-        cache.dispatcher.stager.gather_runs = gather_runs
+    stager = cache.dispatcher.stager
+    if cpu_moe:
+        assert stager is not None and stager.in_place  # the fused GEMMs take the bank's formats
+        stager.in_place = bool(in_place)
+        stager.gather_runs = stager.gather_runs if gather_runs is None else gather_runs
     ref = ReferenceExperts({i: weights.layers[i].ffn.experts for i in weights.moe_layers})
     rng = np.random.default_rng(3)
     for size in (1, 2, 64, 1, 4, 64, 33):
@@ -151,7 +156,6 @@ def test_prefill_batches_equal_the_reference(weights: ModelWeights, cpu_moe: boo
         for layer, (x, ids, w) in layers.items():
             assert rel_error(outs[layer], ref(layer, x, ids, w)) < 2e-2
     if cpu_moe:
-        stager = cache.dispatcher.stager
         assert stager is not None and cache.table_residents() and len(stager.buffers) == 1 and not stager.ready
     cache.close()
 
@@ -367,9 +371,12 @@ def test_quantized_kv_cache_in_captured_and_eager_steps(small_moe_gguf: Path, kv
                          ids=["resident", "stream", "hybrid"])
 def test_gemma4_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], cache: dict) -> None:
     """gemma4-tiny in float32 on the device (captured steps, its wide full-attention heads, merged gate/up
-    experts behind the cache) gives the CPU's logits."""
+    experts behind the cache, a prompt step's staged layers) gives the CPU's logits."""
     path = preset_gguf("gemma4-tiny")
-    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
+    # 59 prompt tokens in the first step: more than a cached step's 32, so host layers are staged (their GELU
+    # experts through the staged layer's math)
+    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301],
+               [2, *range(100, 135)]]
     logits = {}
     for device in ("cuda", "cpu"):
         cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
@@ -391,7 +398,10 @@ def test_deepseek2_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path])
     last-bit differences further; the same kernels under Triton's interpreter gave the CPU's logits within 2.2e-5
     (docs/kernels.md). A wrong head, position or latent column errs by 0.1 or more."""
     path = preset_gguf("deepseek2-tiny")
-    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
+    # 59 prompt tokens in the first step: more than a cached step's 32, so host layers are staged (their GELU
+    # experts through the staged layer's math)
+    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301],
+               [2, *range(100, 135)]]
     logits = {}
     for device in ("cuda", "cpu"):
         cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
@@ -417,7 +427,10 @@ def test_quantized_kv_cache_beside_windows_sinks_and_wide_heads(preset_gguf: Cal
     three lone steps of 0.11-0.22 (docs/benchmarks.md). A wrong layout moves many steps: on the CPU, a window four
     positions too wide puts a quarter of either prompt's steps at 0.22 or more."""
     path = preset_gguf(model)
-    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301]]
+    # 59 prompt tokens in the first step: more than a cached step's 32, so host layers are staged (their GELU
+    # experts through the staged layer's math)
+    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301],
+               [2, *range(100, 135)]]
     logits = {}
     for device in ("cuda", "cpu"):
         cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64,

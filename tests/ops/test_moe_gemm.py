@@ -9,7 +9,7 @@ Triton's interpreter in a subprocess (see tests/ops/interpreter.py).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from ops.expert_math import ExpertMath
 triton = pytest.importorskip("triton", reason="triton is not installed: the GPU expert kernels need it")
 
 from ops.grouped_gemm import PREFILL_EXPERTS, expert_ffn_grouped_gemm, prefill_experts  # noqa: E402
+from ops.triton import tables_from_bank  # noqa: E402
 from ops.triton.moe_gemm import MoeGemmConfig, covers, expert_ffn_moe_gemm  # noqa: E402
 from tests.ops.interpreter import interpret_main, needs_no_cuda, run_interpreted  # noqa: E402
 
@@ -117,6 +118,28 @@ def check_deterministic_and_empty(case: Case, device: torch.device, seed: int) -
     assert none.shape == first.shape and not none.any()
 
 
+def check_experts_where_they_are(case: Case, device: torch.device, seed: int) -> None:
+    """Experts read through their addresses, some from a bank's rows and some from other places (a prompt's staged
+    layer whose cached experts stay in their slots): the reference's output. The rows whose expert is elsewhere
+    hold other bytes, so reading them would show."""
+    x, pairs, bank, ref = inputs(case, device, seed)
+    elsewhere = [1, 2, case.num_experts - 1]  # expert 1's single pair, expert 2's many
+    slot_of = {e: s for s, e in enumerate(reversed(elsewhere))}  # slots in another order than the experts
+    slots = [torch.stack([getattr(bank, name)[e] for e in reversed(elsewhere)]) for name in ("gate", "up", "down")]
+    staged = bank_with(bank, **{name: getattr(bank, name).clone() for name in ("gate", "up", "down")})
+    for name in ("gate", "up", "down"):
+        getattr(staged, name)[elsewhere] = getattr(bank, name)[0]  # expert 0's bytes: never routed to
+    tables = tables_from_bank(staged, device)
+    for name, pool in zip(("gate", "up", "down"), slots, strict=True):
+        ptrs = getattr(tables, f"{name}_ptrs").clone()
+        for e in elsewhere:
+            ptrs[e] = pool.data_ptr() + slot_of[e] * pool.stride(0)
+        tables = replace(tables, **{f"{name}_ptrs": ptrs})
+    out = expert_ffn_moe_gemm(x, *pairs, tables, case.config)
+    assert relative_error(out, ref) < RTOL
+    assert relative_error(expert_ffn_moe_gemm(x, *pairs, staged, case.config), ref) > 5 * RTOL
+
+
 # --- anywhere: the tolerance is tight enough --------------------------------------------------------------
 
 
@@ -203,6 +226,11 @@ def test_every_expert_math(math: tuple[str, bool]) -> None:
 
 
 @pytest.mark.gpu
+def test_experts_where_they_are() -> None:
+    check_experts_where_they_are(Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=512, **QWEN3), CUDA, seed())  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
 def test_deterministic_and_empty() -> None:
     check_deterministic_and_empty(Case((QType.Q4_K,) * 3, num_tokens=512, **QWEN3), CUDA, seed())  # type: ignore[arg-type]
 
@@ -261,6 +289,8 @@ INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_token
                       for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("deterministic, all skipped",
                            lambda seed: check_deterministic_and_empty(INTERPRETER_CASES[5], CPU, seed)))
+INTERPRETER_CHECKS.append(("experts where they are",
+                           lambda seed: check_experts_where_they_are(INTERPRETER_CASES[3], CPU, seed)))
 
 
 @needs_no_cuda

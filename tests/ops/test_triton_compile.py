@@ -114,10 +114,11 @@ def test_the_gather_of_a_staged_layer_moves_16_bytes_a_load() -> None:
     thread's loads and stores moves 16 bytes, as the copy engine's would reach the link's speed only with enough in
     flight."""
     sass = compile_sass(stage._gather_kernel, dict(BLOCK=stage.GATHER_BLOCK), 4, {"expert_bytes": 884736},
-                        types={"sources": "*i64", "dst": "*u8", "num_experts": "i32", "expert_bytes": "i32"})
+                        types={"sources": "*i64", "rows": "*i64", "dst": "*u8", "num_experts": "i32",
+                               "expert_bytes": "i32"})
     moves = collections.Counter(re.findall(r"\b((?:LDG|STG)\.E(?:\.\d+)?)\b", sass))
     assert moves["LDG.E.128"] == moves["STG.E.128"] == stage.GATHER_BLOCK // (16 * 128), moves
-    assert set(moves) <= {"LDG.E.128", "STG.E.128", "LDG.E.64"}, moves  # the 64-bit load: the expert's address
+    assert set(moves) <= {"LDG.E.128", "STG.E.128", "LDG.E.64"}, moves  # the 64-bit loads: the expert's address and row
 
 
 @needs_backend

@@ -100,23 +100,30 @@ def test_filled_experts_match_the_host_bank_and_the_reference(case: Case) -> Non
 
 
 def check_gather(device: torch.device, seed: int) -> None:
-    """Experts of two banks (a pool on the device, a host bank: pinned on CUDA) gathered by address into a poisoned
-    bank, in a mixed order: each row holds its source's bytes; 3 programs for more blocks than programs."""
+    """Experts of two banks (a pool on the device, a host bank: pinned on CUDA) gathered by address into rows of a
+    poisoned bank, in a mixed order: each row named holds its source's bytes, the others stay poisoned; 3 programs
+    for more blocks than programs."""
     generator = torch.Generator().manual_seed(seed)
     shape = (6, 3, 16448)  # 49,344 bytes an expert: three blocks of the kernel, the last one partial
     pool = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator).to(device)
     host = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
     host = host.pin_memory() if device.type == "cuda" else host
-    picks = [(pool, 4), (host, 0), (host, 5), (pool, 0), (host, 2)]
-    dst = torch.full((len(picks), *shape[1:]), POISON, dtype=torch.uint8, device=device)
-    sources = torch.tensor([t.data_ptr() + row * t.stride(0) for t, row in picks], dtype=torch.int64, device=device)
-    gather_experts(sources, dst, programs=3)
-    for e, (t, row) in enumerate(picks):
-        assert torch.equal(dst[e].cpu(), t[row].cpu()), f"expert {e} from {t.device} row {row}"
-    with pytest.raises(ValueError, match="sources"):
-        gather_experts(sources[:2], dst)
+    picks = {0: (pool, 4), 1: (host, 0), 3: (host, 5), 4: (pool, 0), 6: (host, 2)}  # row 2 and 5 not staged
+    dst = torch.full((7, *shape[1:]), POISON, dtype=torch.uint8, device=device)
+    sources = torch.tensor([t.data_ptr() + row * t.stride(0) for t, row in picks.values()], dtype=torch.int64,
+                           device=device)
+    rows = torch.tensor(list(picks), dtype=torch.int64, device=device)
+    gather_experts(sources, rows, dst, programs=3)
+    for e in range(dst.shape[0]):
+        if e in picks:
+            t, row = picks[e]
+            assert torch.equal(dst[e].cpu(), t[row].cpu()), f"expert {e} from {t.device} row {row}"
+        else:
+            assert bool((dst[e] == POISON).all()), f"expert {e} was not named"
+    with pytest.raises(ValueError, match="rows"):
+        gather_experts(sources, rows[:2], dst)
     with pytest.raises(ValueError, match="contiguous"):
-        gather_experts(sources, dst[:, :, :16])
+        gather_experts(sources, rows, dst[:, :, :16])
 
 
 @pytest.mark.gpu

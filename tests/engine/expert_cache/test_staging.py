@@ -6,12 +6,14 @@ expert's bytes are read from (read back here through ctypes, not recomputed). Th
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import torch
 
 from engine.expert_cache.device import expert_parts
 from engine.expert_cache.staging import LayerStager
 from ops.bank import ExpertWeights
+from ops.expert_math import ExpertMath
 from ops.quants import QType
 
 
@@ -28,9 +30,30 @@ def test_cached_experts_are_read_from_their_slots_and_the_rest_from_host_memory(
     stager = LayerStager({5: host}, {0: pool}, {5: 0}, lambda layer: slots, copies=None)  # type: ignore[arg-type]
     runs = stager.runs(5)
     assert runs == [(0, 2, -1), (2, 3, 2), (3, 4, -1), (4, 5, 0), (5, 7, -1), (7, 8, 1)]
-    sources = stager.sources(5, runs)
+    sources = stager.sources(5, runs, host)
     for expert, slot in enumerate(slots):
         want = expert_parts(pool, slot) if slot >= 0 else expert_parts(host, expert)
         for i, part in enumerate(want):
             got = ctypes.string_at(sources[i][expert], part.numel())
             assert got == part.numpy().tobytes(), f"expert {expert}, part {i}"
+
+
+def test_a_staged_layer_reads_cached_experts_in_their_slots_and_copies_only_the_rest() -> None:
+    """In place: the staging copies the uncached runs alone, and the layer's tables address each cached expert in its
+    slot and each other one in the staging buffer at its own row, with the layer's expert math. Whole: every run is
+    copied and the tables address the buffer only."""
+    host, pool, buffer = bank(8, 0), bank(3, 1), bank(8, 2)
+    host = replace(host, math=ExpertMath("gelu", None, None, torch.randn(8, 256)))
+    slots = [-1, -1, 2, -1, 0, -1, -1, 1]
+    for in_place in (True, False):
+        stager = LayerStager({5: host}, {0: pool}, {5: 0}, lambda layer: slots, copies=None,  # type: ignore[arg-type]
+                             in_place=in_place)
+        copied = stager.copied_runs(5)
+        assert copied == ([(0, 2, -1), (3, 4, -1), (5, 7, -1)] if in_place else stager.runs(5))
+        tables = stager.tables(5, buffer)
+        assert tables.math.activation == "gelu" and torch.equal(tables.math.down_bias, host.math.down_bias)
+        for expert, slot in enumerate(slots):
+            want = expert_parts(pool, slot) if slot >= 0 and in_place else expert_parts(buffer, expert)
+            for part, ptrs in zip(want, (tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs), strict=True):
+                got = ctypes.string_at(int(ptrs[expert]), part.numel())
+                assert got == part.numpy().tobytes(), f"expert {expert} (in place: {in_place})"
