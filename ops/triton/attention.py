@@ -65,25 +65,42 @@ def _rounded(x, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(row, pos, cols, s_pos, mask, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr):
-    # values at (pos, cols) of one (slot, kv head)'s rows (any broadcast shape, [D, BN] or [BN, D]) in
-    # DTYPE. q8_0 / q4_0 rows are 32-value blocks: fp16 d, then int8 codes or 16 bytes of 4-bit codes
-    # offset by 8 (low nibbles first); values d * code in float32, rounded to DTYPE (masked ones 0)
+def _kv_tile(row, pos, cols, s_pos, mask, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr,
+             D: tl.constexpr, KEYS: tl.constexpr):
+    # values of one (slot, kv head)'s rows in DTYPE: keys `[D, BN]` (KEYS: pos `[1, BN]`, cols `[D, 1]`), values
+    # `[BN, D]` (pos `[BN, 1]`, cols `[1, D]`), masked ones 0. q8_0 / q4_0 rows: `_quantized_rows`
     if BITS == 0:
         tile = tl.load(row + pos * s_pos + cols, mask=mask, other=0.0)
+    elif KEYS:
+        tile = tl.trans(_quantized_rows(row, tl.reshape(pos, [pos.shape[1]]), tl.reshape(mask, [mask.shape[1]]),
+                                        s_pos, DTYPE, BITS, WIDEN, D))
     else:
-        block = row + pos * s_pos + (cols // 32) * (2 + 4 * BITS)
-        lo = tl.load(block, mask=mask, other=0).to(tl.uint16)
-        hi = tl.load(block + 1, mask=mask, other=0).to(tl.uint16)
-        d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        j = cols % 32
-        if BITS == 8:
-            code = tl.load(block + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        else:
-            byte = tl.load(block + 2 + j % 16, mask=mask, other=0)
-            code = ((byte >> (j // 16 * 4).to(tl.uint8)) & 15).to(tl.float32) - 8.0
-        tile = _rounded(d * code, DTYPE, WIDEN)
+        tile = _quantized_rows(row, tl.reshape(pos, [pos.shape[0]]), tl.reshape(mask, [mask.shape[0]]), s_pos,
+                               DTYPE, BITS, WIDEN, D)
     return tile
+
+
+@triton.jit
+def _quantized_rows(row, pos, valid, s_pos, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr,
+                    D: tl.constexpr):
+    # rows `pos` `[BN]` of q8_0 / q4_0 blocks of 32 values (fp16 d, then 32 int8 codes or 16 bytes of 4-bit codes
+    # offset by 8: byte j's low nibble value j, its high one value 16 + j) -> `[BN, D]` d * code in float32, rounded
+    # to DTYPE. Every field is 2-byte aligned (blocks of 34 and 18 bytes): read as 16-bit words, d once a block
+    # and two codes a word (q4_0: four), where a load a value took three byte loads
+    NB: tl.constexpr = D // 32
+    W: tl.constexpr = 16 if BITS == 8 else 8  # code words a block
+    words = row.to(tl.pointer_type(tl.int16), bitcast=True) + pos[:, None, None] * (s_pos // 2) + \
+        tl.arange(0, NB)[None, :, None] * (W + 1)  # [BN, NB, 1]: each block's d
+    m = valid[:, None, None]
+    d = tl.load(words, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, NB, 1]
+    w = tl.load(words + 1 + tl.arange(0, W)[None, None, :], mask=m, other=0).to(tl.int32)  # [BN, NB, W]
+    if BITS == 8:  # word k: codes 2k (low byte) and 2k + 1, signed
+        codes = tl.reshape(tl.join((w << 24) >> 24, w >> 8), [pos.shape[0], NB, 32])
+    else:  # word k: bytes 2k, 2k + 1 -> values 2k, 2k + 1 (low nibbles) and 16 + 2k, 17 + 2k (high nibbles)
+        low = tl.reshape(tl.join(w & 15, (w >> 8) & 15), [pos.shape[0], NB, 16])
+        high = tl.reshape(tl.join((w >> 4) & 15, (w >> 12) & 15), [pos.shape[0], NB, 16])
+        codes = tl.reshape(tl.permute(tl.join(low, high), (0, 1, 3, 2)), [pos.shape[0], NB, 32]) - 8
+    return tl.reshape(_rounded(d * codes.to(tl.float32), DTYPE, WIDEN), [pos.shape[0], D])
 
 
 @triton.jit
@@ -129,7 +146,7 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
         offs = n0 + tl.arange(0, BN)
         valid = offs < end
         kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], q.dtype.element_ty, K_BITS,
-                      WIDEN)  # [D, BN]
+                      WIDEN, D, True)  # [D, BN]
         s = _dot(q_tile, kt, WIDEN)
         if ROPE:
             s += _dot(q_rope, tl.load(k_base + offs[None, :] * k_s2 + rope_cols[:, None], mask=valid[None, :],
@@ -140,7 +157,7 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         vt = _kv_tile(v_base, offs[:, None], cols[None, :], v_s2, valid[:, None], q.dtype.element_ty, V_BITS,
-                      WIDEN)  # [BN, D]
+                      WIDEN, D, False)  # [BN, D]
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, WIDEN)
         m = m_new
     # o and lse are [tokens, heads, splits(, D)]; with one split o is the output itself
@@ -297,7 +314,7 @@ def _prefill_kernel(q, q_s0, q_s1, k, v, k_s1, k_s2, v_s1, v_s2, start, num_toke
         offs = n0 + tl.arange(0, BN)
         valid = offs < end
         kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], q.dtype.element_ty, K_BITS,
-                      WIDEN)
+                      WIDEN, D, True)
         s = _dot(q_tile, kt, WIDEN) * qk_scale
         s = tl.where(offs[None, :] <= query_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: position 0 is in the first block of every row
@@ -305,7 +322,7 @@ def _prefill_kernel(q, q_s0, q_s1, k, v, k_s1, k_s2, v_s1, v_s2, start, num_toke
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         vt = _kv_tile(v_base, offs[:, None], cols[None, :], v_s2, valid[:, None], q.dtype.element_ty, V_BITS,
-                      WIDEN)
+                      WIDEN, D, False)
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, WIDEN)
         m = m_new
     out = o + token[:, None].to(tl.int64) * o_s0 + heads[:, None] * o_s1 + cols[None, :]
