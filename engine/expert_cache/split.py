@@ -22,7 +22,10 @@ runs, so where the cache holds experts each step is charged them before the sear
 bytes the CPU computed in the step (its counters, `CpuWork.bytes`) / the link's rate. The engine re-measures the CPU
 as it runs (`CpuTasks.work`) and refits the model; after `FIRST_RESEARCH` decode steps (the first search ran while a
 cache was filling), then every `Split.research`, a new search starts from the split running then, with the model's
-split among the candidates."""
+split among the candidates, where the running split's steps have moved from the time the last search gave it by
+more than `RESEARCH_DRIFT`: a search runs worse splits for some of its steps, which a search that finds what runs
+only costs (at 25% and 50% caches, where every search kept streaming every miss, hybrid ran 2% behind stream: H100,
+2026-12-07)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import itertools
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -330,6 +334,8 @@ class SplitSearch:
 
 
 FIRST_RESEARCH = 256  # the first search ran while a cache was filling: a second one once it is warmer
+RESEARCH_DRIFT = 0.05  # a new search where the running split's steps moved this much from its searched time
+RECENT_STEPS = 16  # the running split's last steps, whose median is its time now
 
 
 class Split:
@@ -354,6 +360,7 @@ class Split:
         self.hybrid = mode.uses_cpu and mode.streams and bank is not None
         self.share, self.lead = (1.0 if not mode.uses_cpu else 0.0), 0.0
         self._steps, self._cpu_alone = 0, 0.0
+        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)  # the running split's last steps' seconds a token
         self._last: CpuWork | None = None
         self._cpu_bytes: int | None = None  # the CPU's bytes at the last step, for `_later_seconds`
         self.model = (self.share, self.lead)  # the model's split (module doc), the searches' prior
@@ -428,16 +435,28 @@ class Split:
         later = self._later_seconds(work) / max(num_tokens, 1)
         self._remodel(work)
         if self.search is not None and self.search.is_done and self._steps >= self._search_at:
-            # NOTE: from the split running now, the model's as it stands among the others; local: a search of step
-            # 256 that timed both ends again ran every miss on the CPU for 12 steps of a warm cache's measured run
-            self.search = SplitSearch((self.share, self.lead), [self.model], local=True, reference=self.reference)
             self._search_at = self._steps + self.research
+            if self._has_drifted(self.search.best_seconds):
+                # NOTE: from the split running now, the model's as it stands among the others; local: a search of
+                # step 256 that timed both ends again ran every miss on the CPU for 12 steps of a warm cache's run
+                self.search = SplitSearch((self.share, self.lead), [self.model], local=True,
+                                          reference=self.reference)
+                self._recent.clear()
         assert self.search is not None
+        if self.search.is_done:  # the running split's step
+            self._recent.append(seconds_per_token + later)
         following = self.search.observe(seconds_per_token + later)
         if following is None or following == (self.share, self.lead):
             return None
         self.share, self.lead = following
         return following
+
+    def _has_drifted(self, searched: float) -> bool:
+        """Whether the running split's last steps take another time than its search gave it (or it has none)."""
+        if math.isinf(searched) or len(self._recent) < RECENT_STEPS:
+            return True
+        now = sorted(self._recent)[len(self._recent) // 2]
+        return abs(now / searched - 1.0) > RESEARCH_DRIFT
 
     def _later_seconds(self, work: CpuWork) -> float:
         """The link's seconds for the later misses of the experts the CPU computed since the last step (its bytes

@@ -63,6 +63,7 @@ def test_a_new_search_starts_from_the_running_split_with_the_models_among_the_ot
     assert split.search is not None and split.search.is_done and ran[-1] == (0.0, 0.0)
     assert ran.count(first) <= 12  # the model's split timed (3 turns of 4 steps), not kept
     split.model = (0.5, 0.5)  # as the CPU's re-measured rate would move it
+    seconds = lambda: 1.5e-3 if split.share == 0.0 else 2e-3  # noqa: E731  the running split's steps slower now
     for _ in range(100):  # the search of step 120, the next one not before step 240
         split.update(CpuWork(), seconds())
     assert split.search.is_done and set(split.search.times) >= {(0.5, 0.5), (0.1, 0.0)}
@@ -278,6 +279,26 @@ def test_a_split_must_beat_the_reference_by_the_margin(gain: float, kept: tuple[
     search = SplitSearch((0.5, 0.0), reference=(1.0, 0.0), margin=0.03)
     ran = drive(search, lambda split: seconds.get(split, 1e-3 * (1 - gain + abs(split[0] - 0.5))), 300)
     assert search.is_done and search.best == kept and ran[-1] == kept
+
+
+@pytest.mark.parametrize("moved", [0.0, 0.03, 0.2])
+def test_no_new_search_while_the_running_split_takes_the_time_it_was_searched_at(bank, moved: float) -> None:  # noqa: ANN001
+    """A search runs other splits for some of its steps: at the next search's step, one starts only where the
+    running split's steps have moved from its searched time by more than RESEARCH_DRIFT (5%)."""
+    split = Split(MissMode("hybrid"), torch.device("cpu"), [bank], False, cached_share=0.25, research=120)
+    slower = lambda: 1.0 if split.share == 1.0 else 1.3  # noqa: E731  streaming every miss is fastest
+    for _ in range(100):
+        split.update(CpuWork(), 1e-3 * slower())
+    first = split.search
+    assert first is not None and first.is_done and (split.share, split.lead) == (1.0, 0.0)
+    ran = []
+    for _ in range(60):  # the next search's step (120) in the middle
+        split.update(CpuWork(), 1e-3 * (1 + moved) * slower())
+        ran.append((split.share, split.lead))
+    if moved > 0.05:
+        assert split.search is not first and any(r != (1.0, 0.0) for r in ran)
+    else:
+        assert split.search is first and set(ran) == {(1.0, 0.0)}
 
 
 def test_with_a_cache_hybrid_streams_every_miss_unless_a_split_is_clearly_faster(bank) -> None:  # noqa: ANN001
