@@ -1,9 +1,11 @@
 """KV cache types: K and V rows in the activation dtype, or in ggml's 32-value blocks (q8_0, q4_0).
 
-A quantized row of `head_dim` values is `head_dim / 32` blocks in `ops.quants`' byte layout, a cache of
-them uint8 `[..., row_bytes]`. The write kernel quantizes (bit for bit as `ops.quants`, which matches
-gguf), the attention kernels dequantize their tiles as they read them; the functions here are the torch
-references of both, which the CPU engine runs.
+A quantized row of `head_dim` values is `head_dim / 32` blocks as `ops.quants` makes them (bit for bit as gguf),
+laid out with the blocks' fp16 scales first, then their codes in block order (`to_planar`): the bytes of ggml's
+blocks, rearranged so that a row's codes start 2 * blocks bytes in, for aligned vector loads (ggml's 34- and
+18-byte blocks leave them 2-byte aligned). A cache of them is uint8 `[..., row_bytes]`. The write kernel quantizes,
+the attention kernels dequantize their tiles as they read them; the functions here are the torch references of
+both, which the CPU engine runs.
 """
 
 from __future__ import annotations
@@ -48,8 +50,21 @@ def zeros(shape: tuple[int, ...], qtype: QType | None, head_dim: int, dtype: tor
 
 
 def quantize_rows(x: torch.Tensor, qtype: QType) -> torch.Tensor:
-    """`[..., head_dim]` -> uint8 `[..., row_bytes]`."""
-    return quants.quantize(x.float(), qtype)
+    """`[..., head_dim]` -> uint8 `[..., row_bytes]`, scales first (`to_planar`)."""
+    return to_planar(quants.quantize(x.float(), qtype), qtype)
+
+
+def to_planar(blocks: torch.Tensor, qtype: QType) -> torch.Tensor:
+    """Rows of ggml blocks uint8 `[..., n * type_size]` -> the same rows as their n fp16 scales, then their codes."""
+    split = blocks.view(*blocks.shape[:-1], -1, quants.format_of(qtype).type_size)
+    return torch.cat([split[..., :2].flatten(-2), split[..., 2:].flatten(-2)], dim=-1)
+
+
+def from_planar(rows: torch.Tensor, qtype: QType) -> torch.Tensor:
+    """`to_planar`'s rows -> rows of ggml blocks."""
+    n = rows.shape[-1] // quants.format_of(qtype).type_size
+    scales = rows[..., :2 * n].reshape(*rows.shape[:-1], n, 2)
+    return torch.cat([scales, rows[..., 2 * n:].reshape(*rows.shape[:-1], n, -1)], dim=-1).flatten(-2)
 
 
 def dense(cache: torch.Tensor, qtype: QType | None, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -57,7 +72,7 @@ def dense(cache: torch.Tensor, qtype: QType | None, head_dim: int, dtype: torch.
     as the kernels do) or the rows themselves."""
     if qtype is None:
         return cache
-    return quants.dequantize(cache, qtype, head_dim).to(dtype)
+    return quants.dequantize(from_planar(cache, qtype), qtype, head_dim).to(dtype)
 
 
 def latent_value_dim(head_dim: int, v_cache: torch.Tensor, k_qtype: QType | None, v_qtype: QType | None) -> int:

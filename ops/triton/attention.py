@@ -83,24 +83,25 @@ def _kv_tile(row, pos, cols, s_pos, mask, DTYPE: tl.constexpr, BITS: tl.constexp
 @triton.jit
 def _quantized_rows(row, pos, valid, s_pos, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr,
                     D: tl.constexpr):
-    # rows `pos` `[BN]` of q8_0 / q4_0 blocks of 32 values (fp16 d, then 32 int8 codes or 16 bytes of 4-bit codes
-    # offset by 8: byte j's low nibble value j, its high one value 16 + j) -> `[BN, D]` d * code in float32, rounded
-    # to DTYPE. Every field is 2-byte aligned (blocks of 34 and 18 bytes): read as 16-bit words, d once a block
-    # and two codes a word (q4_0: four), where a load a value took three byte loads
+    # rows `pos` `[BN]` of q8_0 / q4_0 values (`ops.kv_quant`: the D / 32 blocks' fp16 scales d, then their codes,
+    # int8 or 16 bytes a block of 4-bit codes offset by 8: byte j's low nibble value j, its high one 16 + j) ->
+    # `[BN, D]` d * code in float32, rounded to DTYPE. A row's codes start D / 16 bytes in and rows are D / 16 * 17
+    # bytes: the codes are D / 16-byte aligned, read in vectors of that many bytes
     NB: tl.constexpr = D // 32
-    W: tl.constexpr = 16 if BITS == 8 else 8  # code words a block
-    words = row.to(tl.pointer_type(tl.int16), bitcast=True) + pos[:, None, None] * (s_pos // 2) + \
-        tl.arange(0, NB)[None, :, None] * (W + 1)  # [BN, NB, 1]: each block's d
-    m = valid[:, None, None]
-    d = tl.load(words, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, NB, 1]
-    w = tl.load(words + 1 + tl.arange(0, W)[None, None, :], mask=m, other=0).to(tl.int32)  # [BN, NB, W]
-    if BITS == 8:  # word k: codes 2k (low byte) and 2k + 1, signed
-        codes = tl.reshape(tl.join((w << 24) >> 24, w >> 8), [pos.shape[0], NB, 32])
-    else:  # word k: bytes 2k, 2k + 1 -> values 2k, 2k + 1 (low nibbles) and 16 + 2k, 17 + 2k (high nibbles)
-        low = tl.reshape(tl.join(w & 15, (w >> 8) & 15), [pos.shape[0], NB, 16])
-        high = tl.reshape(tl.join((w >> 4) & 15, (w >> 12) & 15), [pos.shape[0], NB, 16])
-        codes = tl.reshape(tl.permute(tl.join(low, high), (0, 1, 3, 2)), [pos.shape[0], NB, 32]) - 8
-    return tl.reshape(_rounded(d * codes.to(tl.float32), DTYPE, WIDEN), [pos.shape[0], D])
+    CODES: tl.constexpr = D * BITS // 8  # code bytes a row
+    first = pos.to(tl.int64) * s_pos  # [BN]
+    m = valid[:, None]
+    d = tl.load(row.to(tl.pointer_type(tl.int16), bitcast=True) + (first // 2)[:, None] + tl.arange(0, NB)[None, :],
+                mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, NB]
+    at = tl.multiple_of(first + 2 * NB, D // 16)[:, None] + tl.max_contiguous(tl.arange(0, CODES), CODES)[None, :]
+    raw = tl.load(row + at, mask=m, other=0)  # [BN, CODES] uint8
+    if BITS == 8:
+        codes = tl.reshape(raw.to(tl.int8, bitcast=True).to(tl.float32), [pos.shape[0], NB, 32])
+    else:
+        b = tl.reshape(raw.to(tl.int32), [pos.shape[0], NB, 16])
+        codes = tl.reshape(tl.permute(tl.join(b & 15, b >> 4), (0, 1, 3, 2)), [pos.shape[0], NB, 32]).to(tl.float32)
+        codes -= 8.0
+    return tl.reshape(_rounded(d[:, :, None] * codes, DTYPE, WIDEN), [pos.shape[0], D])
 
 
 @triton.jit
@@ -361,10 +362,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 @triton.jit
 def _quantize_row(src, dst, head_dim, NB: tl.constexpr, BITS: tl.constexpr):
     # one row of head_dim float values -> its blocks of 32 as gguf's quantizers make them (each division
-    # rounded to nearest, launched without fp fusion so that products are rounded before the adds)
+    # rounded to nearest, launched without fp fusion so that products are rounded before the adds), the blocks'
+    # scales first, then their codes (`ops.kv_quant`)
     blocks = tl.arange(0, NB)
     in_row = blocks < head_dim // 32
-    dst_block = dst + blocks * (2 + 4 * BITS)  # [NB]
+    dst_codes = dst + 2 * (head_dim // 32) + blocks * (4 * BITS)  # [NB]: the row's scales, then its codes
+    dst_scale = dst + 2 * blocks
     if BITS == 8:
         j = tl.arange(0, 32)[None, :]
         x = tl.load(src + blocks[:, None] * 32 + j, mask=in_row[:, None], other=0.0).to(tl.float32)  # [NB, 32]
@@ -374,7 +377,7 @@ def _quantize_row(src, dst, head_dim, NB: tl.constexpr, BITS: tl.constexpr):
         floored = tl.floor(a)
         rounded = floored + tl.floor(2 * (a - floored))  # C roundf: halves away from zero
         codes = tl.where(scaled < 0, -rounded, rounded).to(tl.int8).to(tl.uint8, bitcast=True)
-        tl.store(dst_block[:, None] + 2 + j, codes, mask=in_row[:, None])
+        tl.store(dst_codes[:, None] + j, codes, mask=in_row[:, None])
     else:
         j = tl.arange(0, 16)[None, :]  # low nibbles hold values 0..15 of a block, high ones 16..31
         lo = tl.load(src + blocks[:, None] * 32 + j, mask=in_row[:, None], other=0.0).to(tl.float32)  # [NB, 16]
@@ -387,10 +390,10 @@ def _quantize_row(src, dst, head_dim, NB: tl.constexpr, BITS: tl.constexpr):
         inv = tl.where(d == 0, 0.0, tl.math.div_rn(1.0, tl.where(d == 0, 1.0, d)))[:, None]
         code_lo = tl.minimum(tl.maximum((lo * inv + 8.5).to(tl.int32), 0), 15)  # truncated, as gguf
         code_hi = tl.minimum(tl.maximum((hi * inv + 8.5).to(tl.int32), 0), 15)
-        tl.store(dst_block[:, None] + 2 + j, (code_lo | (code_hi << 4)).to(tl.uint8), mask=in_row[:, None])
+        tl.store(dst_codes[:, None] + j, (code_lo | (code_hi << 4)).to(tl.uint8), mask=in_row[:, None])
     bits = d.to(tl.float16).to(tl.uint16, bitcast=True)
-    tl.store(dst_block, (bits & 255).to(tl.uint8), mask=in_row)
-    tl.store(dst_block + 1, (bits >> 8).to(tl.uint8), mask=in_row)
+    tl.store(dst_scale, (bits & 255).to(tl.uint8), mask=in_row)
+    tl.store(dst_scale + 1, (bits >> 8).to(tl.uint8), mask=in_row)
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """KV cache types (`ops.kv_quant`) and the torch path of attention over a quantized cache (`ops.fused`):
-rows quantized and dequantized bit for bit as gguf-py, attention over a quantized cache equal to attention
-over its dequantized values, and within a stated error of attention over the unquantized cache."""
+rows quantized and dequantized bit for bit as gguf-py (a row's block scales first, then its codes),
+attention over a quantized cache equal to attention over its dequantized values, and within a stated error of
+attention over the unquantized cache."""
 
 from __future__ import annotations
 
@@ -29,8 +30,13 @@ def test_rows_round_trip_bit_for_bit_as_gguf(qtype: QType, dtype: torch.dtype) -
     x = (torch.randn(3, 2, 5, 96, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)  # [slots, heads, pos, d]
     raw = kv_quant.quantize_rows(x, qtype)
     assert raw.dtype == torch.uint8 and raw.shape == (3, 2, 5, kv_quant.row_bytes(qtype, 96, dtype))
-    expected = gguf.quants.quantize(x.float().reshape(-1, 32).numpy(), qtype)
-    assert torch.equal(raw.reshape(-1, expected.shape[1]), torch.from_numpy(expected))
+    expected = gguf.quants.quantize(x.float().reshape(-1, 32).numpy(), qtype)  # [blocks, type_size]
+    n = 96 // 32
+    rows = torch.from_numpy(expected).view(-1, n, expected.shape[1])  # a row's blocks, as gguf lays them out
+    scales, codes = raw.reshape(-1, raw.shape[-1]).split([2 * n, raw.shape[-1] - 2 * n], dim=1)
+    assert torch.equal(scales, rows[:, :, :2].flatten(1))  # the blocks' fp16 scales first
+    assert torch.equal(codes, rows[:, :, 2:].flatten(1))  # then their codes, block after block
+    assert torch.equal(kv_quant.from_planar(raw, qtype).reshape(-1, expected.shape[1]), torch.from_numpy(expected))
     values = kv_quant.dense(raw, qtype, 96, dtype)
     decoded = torch.from_numpy(np.asarray(gguf.quants.dequantize(expected, qtype), dtype=np.float32))
     assert values.dtype == dtype and torch.equal(values, decoded.to(dtype).view(3, 2, 5, 96))
