@@ -100,8 +100,7 @@ def launch_values(qtype: QType, top_k: int = 8) -> dict[str, int]:
     return dict(x_stride=hidden, sums_stride=hidden // 16, num_tokens=1, num_pairs=top_k, num_experts=128,
                 gate_row_bytes=gate_row, up_row_bytes=gate_row, down_row_bytes=down_row, h_stride=ff,
                 hs_stride=ff // 16, ff=ff, hidden=hidden, y_stride=hidden,
-                gate_row=gate_row, up_row=gate_row, down_row=down_row, gate_estride=ff * gate_row,
-                up_estride=ff * gate_row, down_estride=hidden * down_row)
+                gate_row=gate_row, up_row=gate_row, down_row=down_row)
 
 
 def kernels(qtype: QType) -> list[tuple[str, str, int]]:
