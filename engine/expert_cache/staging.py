@@ -83,6 +83,8 @@ class LayerStager:
     def tables(self, layer: int, buffer: ExpertWeights) -> ExpertTables:
         """The staged layer as the kernels read it, by expert id: each cached expert in its slot where `in_place`
         (else in `buffer`, copied there), each other one in `buffer`; the layer's expert math."""
+        # NOTE: a slot named here keeps its expert while the prompt's kernels read it: a prompt never changes the
+        # cache, and a later copy into a slot first waits for the compute stream (`CopyEngine.copy`)
         from ops.triton.tables import ExpertTables
 
         host = self.host[layer]
