@@ -65,18 +65,17 @@ def _rounded(x, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(row, pos, cols, s_pos, mask, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr,
-             D: tl.constexpr, KEYS: tl.constexpr):
-    # values of one (slot, kv head)'s rows in DTYPE: keys `[D, BN]` (KEYS: pos `[1, BN]`, cols `[D, 1]`), values
+def _kv_tile(row, pos, cols, s_pos, mask, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr):
+    # values of one (slot, kv head)'s rows in DTYPE: keys `[D, BN]` (pos `[1, BN]`, cols `[D, 1]`) or values
     # `[BN, D]` (pos `[BN, 1]`, cols `[1, D]`), masked ones 0. q8_0 / q4_0 rows: `_quantized_rows`
     if BITS == 0:
         tile = tl.load(row + pos * s_pos + cols, mask=mask, other=0.0)
-    elif KEYS:
+    elif pos.shape[0] == 1:  # keys
         tile = tl.trans(_quantized_rows(row, tl.reshape(pos, [pos.shape[1]]), tl.reshape(mask, [mask.shape[1]]),
-                                        s_pos, DTYPE, BITS, WIDEN, D))
+                                        s_pos, DTYPE, BITS, WIDEN, cols.shape[0]))
     else:
         tile = _quantized_rows(row, tl.reshape(pos, [pos.shape[0]]), tl.reshape(mask, [mask.shape[0]]), s_pos,
-                               DTYPE, BITS, WIDEN, D)
+                               DTYPE, BITS, WIDEN, cols.shape[1])
     return tile
 
 
@@ -147,7 +146,7 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
         offs = n0 + tl.arange(0, BN)
         valid = offs < end
         kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], q.dtype.element_ty, K_BITS,
-                      WIDEN, D, True)  # [D, BN]
+                      WIDEN)  # [D, BN]
         s = _dot(q_tile, kt, WIDEN)
         if ROPE:
             s += _dot(q_rope, tl.load(k_base + offs[None, :] * k_s2 + rope_cols[:, None], mask=valid[None, :],
@@ -158,7 +157,7 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         vt = _kv_tile(v_base, offs[:, None], cols[None, :], v_s2, valid[:, None], q.dtype.element_ty, V_BITS,
-                      WIDEN, D, False)  # [BN, D]
+                      WIDEN)  # [BN, D]
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, WIDEN)
         m = m_new
     # o and lse are [tokens, heads, splits(, D)]; with one split o is the output itself
@@ -315,7 +314,7 @@ def _prefill_kernel(q, q_s0, q_s1, k, v, k_s1, k_s2, v_s1, v_s2, start, num_toke
         offs = n0 + tl.arange(0, BN)
         valid = offs < end
         kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], q.dtype.element_ty, K_BITS,
-                      WIDEN, D, True)
+                      WIDEN)
         s = _dot(q_tile, kt, WIDEN) * qk_scale
         s = tl.where(offs[None, :] <= query_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: position 0 is in the first block of every row
@@ -323,7 +322,7 @@ def _prefill_kernel(q, q_s0, q_s1, k, v, k_s1, k_s2, v_s1, v_s2, start, num_toke
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         vt = _kv_tile(v_base, offs[:, None], cols[None, :], v_s2, valid[:, None], q.dtype.element_ty, V_BITS,
-                      WIDEN, D, False)
+                      WIDEN)
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, WIDEN)
         m = m_new
     out = o + token[:, None].to(tl.int64) * o_s0 + heads[:, None] * o_s1 + cols[None, :]
