@@ -304,7 +304,7 @@ class LLMEngine:
 
     def score(self, ids: list[int], first: int) -> torch.Tensor:
         """Log-probabilities of the whole vocabulary after positions first .. len(ids) - 2 of one sequence,
-        float32 `[len(ids) - 1 - first, vocab]` (row i predicts ids[first + 1 + i]). The sequence is
+        float32 on the host `[len(ids) - 1 - first, vocab]` (row i predicts ids[first + 1 + i]). The sequence is
         prefilled in chunks of a step's token budget, as a prompt is, each chunk one step of the expert
         cache. Only while no request runs: it uses KV slot 0."""
         if self.has_unfinished():
@@ -453,7 +453,8 @@ class LLMEngine:
 
 
 def _log_softmax_into(rows: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
-    return lambda logits: rows.append(torch.log_softmax(logits, dim=-1))
+    """Host float32 log-probabilities of each step's logits (`score`'s rows, read by numpy)."""
+    return lambda logits: rows.append(torch.log_softmax(logits.float(), dim=-1).cpu())
 
 
 def _bytes_progress(progress: Callable[[str, int, int], None] | None,
