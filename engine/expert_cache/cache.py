@@ -9,7 +9,8 @@ it around each step:
     step_done(t)     once the step of ticket t has finished: take its record for the next `process`
 
 A decode step may be launched before the last one is done (`LLMEngine`'s decode ahead) only where the cache
-decides nothing (`is_static`): its table changes and landings then never depend on the step before.
+decides nothing (`is_static`: every expert resident, or `cpu` misses with no cache): its table changes and landings
+then never depend on the step before.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ class ExpertCache:
 
     @property
     def is_static(self) -> bool:
-        """Every routed expert resident: no step changes a table or lands an expert."""
-        return not self.dispatcher.host
+        """No step changes a table or lands an expert: every routed expert resident, or every host layer's experts
+        computed by the CPU with no slot to cache them in (`cpu` misses, no cache, no disk tier)."""
+        no_cache = self.cfg.mode.name == "cpu" and self.plan.num_slots == 0 and self.tier is None
+        return not self.dispatcher.host or no_cache
 
     def flush(self) -> None:
         """Process what is pending (the engine is idle: stats complete)."""

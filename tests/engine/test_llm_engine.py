@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.detok import TextOutput, held_back
 from engine.llm_engine import LLMEngine
 from engine.moe import TopKRouter
@@ -41,6 +41,27 @@ def engine(tiny_gguf: Path, request: pytest.FixtureRequest) -> LLMEngine:
     engine = make_engine(tiny_gguf, decode_ahead=request.param)
     assert engine.decodes_ahead == (request.param == "on")
     return engine
+
+
+def test_cpu_misses_with_no_cache_decode_ahead(tiny_gguf: Path) -> None:
+    """Every routed expert in host RAM, computed by the CPU, no slot: the cache decides nothing, so decode steps may go
+    ahead, with the tokens of steps read in turn; a cache (or another miss mode) decides between steps."""
+    def engine(ahead: str, budget_mib: int = 0, miss_mode: str = "cpu") -> LLMEngine:
+        return LLMEngine(EngineConfig(model=ModelConfig(str(tiny_gguf), device="cpu", max_context=256),
+                                      cache=CacheConfig(cpu_moe=True, budget_mib=budget_mib, miss_mode=miss_mode),
+                                      scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                                                decode_ahead=ahead)))
+
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    texts = {}
+    for ahead in ("on", "off"):
+        e = engine(ahead)
+        assert e.decodes_ahead == (ahead == "on")
+        e.add_request(Request("a", prompt(e), params))
+        texts[ahead] = text_of(run_all(e)["a"])
+        assert e.cache.cpu_work().experts > 0
+    assert texts["on"] == texts["off"]
+    assert not engine("on", budget_mib=1).decodes_ahead and not engine("on", miss_mode="stream").decodes_ahead
 
 
 def prompt(engine: LLMEngine, text: str = "The quick brown fox") -> tuple[int, ...]:
