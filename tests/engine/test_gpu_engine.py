@@ -267,6 +267,27 @@ def test_decode_ahead_replays_graphs_fed_on_the_device_with_the_tokens_of_steps_
     assert not make_engine(small_moe_gguf, True, cpu_moe=True, budget_mib=2, miss_mode="stream").decodes_ahead
 
 
+def test_cpu_misses_with_no_cache_decode_ahead(small_moe_gguf: Path) -> None:
+    """Every routed expert in host RAM, computed by the CPU, no slot: the cache decides nothing between steps, so each
+    captured decode step (its layers' CPU tasks rung by the device) is launched before the last one is read, with
+    the tokens of steps read in turn."""
+    def run(ahead: str) -> dict[str, list[int]]:
+        engine = make_engine(small_moe_gguf, True, ahead, cpu_moe=True, budget_mib=0, miss_mode="cpu")
+        assert engine.cache.is_static and engine.decodes_ahead == (ahead == "auto")
+        for i in range(2):
+            engine.add_request(Request(f"r{i}", (1, 2, 3 + 40 * i), SamplingParams(max_tokens=8 + 4 * i,
+                                                                                   temperature=0, ignore_eos=True)))
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engine.cache.cpu_work().experts > 0
+        return tokens
+
+    assert run("auto") == run("off")
+    assert not make_engine(small_moe_gguf, True, cpu_moe=True, budget_mib=2, miss_mode="cpu").decodes_ahead
+
+
 def test_a_server_captures_every_decode_graph_before_its_first_request(small_moe_gguf: Path) -> None:
     engine = make_engine(small_moe_gguf, True, cpu_moe=True, budget_mib=2, miss_mode="stream")
     engine.capture_graphs()
@@ -340,6 +361,21 @@ def test_a_prompts_first_chunk_replays_a_graph_equal_to_eager(small_moe_gguf: Pa
     assert list(server.runner.chunk_graphs) == [64]
     cached = make_engine(small_moe_gguf, True, cpu_moe=True, budget_mib=2, miss_mode="stream")
     assert cached.runner.chunk_sizes == []  # a host layer's prompt stages its experts: never a chunk graph
+
+
+def test_scores_on_the_gpu_are_the_cpus_host_log_probabilities(small_moe_gguf: Path) -> None:
+    """`moecache perplexity`'s rows (`LLMEngine.score`): a 40-token sequence in chunks of 16 on the device gives
+    float32 log-probabilities in host memory, the CPU engine's within float32 kernel differences."""
+    ids = [(13 * i) % 200 + 1 for i in range(40)]
+    rows = {}
+    for device in ("cuda", "cpu"):
+        cfg = EngineConfig(model=ModelConfig(str(small_moe_gguf), device=device, dtype="float32", max_context=64),
+                           scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=16))
+        rows[device] = LLMEngine(cfg).score(ids, 20)
+    gpu, cpu = rows["cuda"], rows["cpu"]
+    assert gpu.device.type == "cpu" and gpu.dtype == torch.float32 and gpu.shape == cpu.shape
+    assert gpu.shape[0] == 19 and torch.allclose(gpu.exp().sum(-1), torch.ones(19), atol=1e-4)
+    assert rel_error(gpu, cpu) < 1e-3
 
 
 # relative logits error against the bf16 KV cache, measured on the CPU in float32 on this model: q8_0
