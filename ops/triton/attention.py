@@ -20,6 +20,8 @@ KV write quantizes rows as it stores them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
@@ -33,6 +35,21 @@ _TARGET_PROGRAMS = 256  # (token, kv head, split) programs: ~2 per SM of a 132-S
 _MIN_SPLIT_LEN = 256  # shorter splits add partials to combine for little K/V each; 256 keeps the smallest
 # KV bucket of a captured decode step at one split, without the combine launch (H200: docs/benchmarks.md)
 KV_BITS = {None: 0, QType.Q8_0: 8, QType.Q4_0: 4}  # the kernels' code of each cache type: bits per value
+
+
+@dataclass(frozen=True)
+class SplitLaunch:
+    """How the split kernel is launched for a pair of cache types (`SPLIT_LAUNCH`)."""
+
+    programs: int = _TARGET_PROGRAMS  # (token, kv head, split) programs wanted (`default_num_splits`)
+    block_n: int = 0  # positions a tile; 0: tiles of at most 16 KiB (no register spills on sm_90 at 8 warps)
+    num_warps: int = 8
+    num_stages: int = 0  # 0: Triton's default
+    codes_dot: bool = False  # a quantized side's products on its codes, its block scales applied to them (16-bit q)
+
+
+# (K bits, V bits) -> the launch; pairs not listed take SplitLaunch() (.ci/gpu-kv-sweep.py times the choices)
+SPLIT_LAUNCH: dict[tuple[int, int], SplitLaunch] = {}
 
 
 @triton.jit
@@ -80,12 +97,11 @@ def _kv_tile(row, pos, cols, s_pos, mask, DTYPE: tl.constexpr, BITS: tl.constexp
 
 
 @triton.jit
-def _quantized_rows(row, pos, valid, s_pos, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr,
-                    D: tl.constexpr):
+def _row_parts(row, pos, valid, s_pos, BITS: tl.constexpr, D: tl.constexpr):
     # rows `pos` `[BN]` of q8_0 / q4_0 values (`ops.kv_quant`: the D / 32 blocks' fp16 scales d, then their codes,
-    # int8 or 16 bytes a block of 4-bit codes offset by 8: byte j's low nibble value j, its high one 16 + j) ->
-    # `[BN, D]` d * code in float32, rounded to DTYPE. A row's codes start D / 16 bytes in and rows are D / 16 * 17
-    # bytes: the codes are D / 16-byte aligned, read in vectors of that many bytes
+    # int8 or 16 bytes a block of 4-bit codes offset by 8: byte j's low nibble value j, its high one 16 + j) -> d
+    # `[BN, D / 32]` float32 and the code bytes `[BN, D * BITS / 8]` uint8, 0 for rows not valid. A row's codes start
+    # D / 16 bytes in and rows are D / 16 * 17 bytes: the codes are D / 16-byte aligned, read in vectors of that many
     NB: tl.constexpr = D // 32
     CODES: tl.constexpr = D * BITS // 8  # code bytes a row
     first = pos.to(tl.int64) * s_pos  # [BN]
@@ -93,14 +109,45 @@ def _quantized_rows(row, pos, valid, s_pos, DTYPE: tl.constexpr, BITS: tl.conste
     d = tl.load(row.to(tl.pointer_type(tl.int16), bitcast=True) + (first // 2)[:, None] + tl.arange(0, NB)[None, :],
                 mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, NB]
     at = tl.multiple_of(first + 2 * NB, D // 16)[:, None] + tl.max_contiguous(tl.arange(0, CODES), CODES)[None, :]
-    raw = tl.load(row + at, mask=m, other=0)  # [BN, CODES] uint8
+    return d, tl.load(row + at, mask=m, other=0)
+
+
+@triton.jit
+def _quantized_rows(row, pos, valid, s_pos, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr,
+                    D: tl.constexpr):
+    # rows `pos` `[BN]` of q8_0 / q4_0 values (`_row_parts`) -> `[BN, D]` d * code in float32, rounded to DTYPE
+    NB: tl.constexpr = D // 32
+    d, raw = _row_parts(row, pos, valid, s_pos, BITS, D)
+    # NOTE: a code becomes a float without an int-to-float conversion (a quarter-rate instruction on sm_90): its
+    # bits under 2**23's (offset binary: an int8's sign bit flipped) give 2**23 + offset + code, and one exact
+    # subtraction leaves the code
     if BITS == 8:
-        codes = tl.reshape(raw.to(tl.int8, bitcast=True).to(tl.float32), [pos.shape[0], NB, 32])
+        bits = raw.to(tl.int32) ^ 0x4B000080  # 0x4B000000 | (code + 128)
+        codes = tl.reshape(bits.to(tl.float32, bitcast=True) - 8388736.0, [pos.shape[0], NB, 32])
     else:
         b = tl.reshape(raw.to(tl.int32), [pos.shape[0], NB, 16])
-        codes = tl.reshape(tl.permute(tl.join(b & 15, b >> 4), (0, 1, 3, 2)), [pos.shape[0], NB, 32]).to(tl.float32)
-        codes -= 8.0
+        bits = tl.reshape(tl.permute(tl.join((b & 15) | 0x4B000000, (b >> 4) | 0x4B000000), (0, 1, 3, 2)),
+                          [pos.shape[0], NB, 32])  # 0x4B000000 | (code + 8)
+        codes = bits.to(tl.float32, bitcast=True) - 8388616.0
     return tl.reshape(_rounded(d[:, :, None] * codes, DTYPE, WIDEN), [pos.shape[0], D])
+
+
+@triton.jit
+def _code_blocks(row, pos, valid, s_pos, BITS: tl.constexpr, D: tl.constexpr):
+    # rows `pos` `[BN]` of q8_0 / q4_0 values (`_row_parts`) -> their codes `[D / 32, BN, 32]` as float16 (exact: 1024
+    # + offset + code in a float16's bits, less 1024 + offset) and their blocks' scales `[D / 32, BN]`, 0 for rows not
+    # valid: a value is scale * code
+    NB: tl.constexpr = D // 32
+    d, raw = _row_parts(row, pos, valid, s_pos, BITS, D)
+    if BITS == 8:
+        bits = raw.to(tl.int16) ^ 0x6480  # 0x6400 | (code + 128)
+        codes = tl.reshape(bits.to(tl.float16, bitcast=True) - 1152.0, [pos.shape[0], NB, 32])
+    else:
+        b = tl.reshape(raw.to(tl.int16), [pos.shape[0], NB, 16])
+        bits = tl.reshape(tl.permute(tl.join((b & 15) | 0x6400, (b >> 4) | 0x6400), (0, 1, 3, 2)),
+                          [pos.shape[0], NB, 32])  # 0x6400 | (code + 8)
+        codes = bits.to(tl.float16, bitcast=True) - 1032.0
+    return tl.permute(codes.to(tl.float16), (1, 0, 2)), tl.permute(d, (1, 0))
 
 
 @triton.jit
@@ -113,10 +160,13 @@ def _first_position(last, window):
 def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_ids, positions, max_len,
                   split_len, window, sinks, o, lse, qk_scale, GROUP: tl.constexpr, BG: tl.constexpr,
                   BN: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                  SINKS: tl.constexpr, WIDEN: tl.constexpr):
+                  SINKS: tl.constexpr, WIDEN: tl.constexpr, CODES_DOT: tl.constexpr):
     # program (token, kv head, split); rows of the tile are the group's q heads (padded to BG >= 16
     # for tl.dot), so K/V is read once per group. Scores are in the log2 domain (exp2 is cheaper).
-    # D: the values' width and the keys' first columns; ROPE > 0: the keys' D.. D + ROPE columns (a latent cache)
+    # D: the values' width and the keys' first columns; ROPE > 0: the keys' D.. D + ROPE columns (a latent cache).
+    # CODES_DOT (16-bit q, ROPE 0): a quantized side's products take its codes as float16, one product a block of 32
+    # columns, and its blocks' scales apply to the products (keys: to a block's scores; values: to the
+    # probabilities a block's columns are weighted with), in place of a tile of scale * code values
     token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads, num_splits = tl.num_programs(1) * GROUP, tl.num_programs(2)
     slot = tl.load(slot_ids + token).to(tl.int64)
@@ -141,13 +191,25 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
         sink = tl.load(sinks + heads, mask=rows < GROUP, other=0.0) * 1.4426950408889634  # log2 domain
         m = tl.where(is_first, sink, m)
         l_sum = tl.where(is_first, 1.0, l_sum)
-    acc = tl.zeros([BG, D], tl.float32)
+    NB: tl.constexpr = D // 32
+    K_CODES: tl.constexpr = CODES_DOT and K_BITS > 0
+    V_CODES: tl.constexpr = CODES_DOT and V_BITS > 0
+    if K_CODES:
+        q_blocks = tl.permute(tl.reshape(q_tile.to(tl.float16), [BG, NB, 32]), (1, 0, 2))  # [NB, BG, 32]
+    if V_CODES:
+        acc = tl.zeros([NB, BG, 32], tl.float32)
+    else:
+        acc = tl.zeros([BG, D], tl.float32)
     for n0 in range(start, end, BN):
         offs = n0 + tl.arange(0, BN)
         valid = offs < end
-        kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], q.dtype.element_ty, K_BITS,
-                      WIDEN)  # [D, BN]
-        s = _dot(q_tile, kt, WIDEN)
+        if K_CODES:
+            kc, kd = _code_blocks(k_base, offs, valid, k_s2, K_BITS, D)  # [NB, BN, 32], [NB, BN]
+            s = tl.sum(_dot(q_blocks, tl.permute(kc, (0, 2, 1)), WIDEN) * kd[:, None, :], axis=0)  # [BG, BN]
+        else:
+            kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], q.dtype.element_ty, K_BITS,
+                          WIDEN)  # [D, BN]
+            s = _dot(q_tile, kt, WIDEN)
         if ROPE:
             s += _dot(q_rope, tl.load(k_base + offs[None, :] * k_s2 + rope_cols[:, None], mask=valid[None, :],
                                       other=0.0), WIDEN)
@@ -156,10 +218,17 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        vt = _kv_tile(v_base, offs[:, None], cols[None, :], v_s2, valid[:, None], q.dtype.element_ty, V_BITS,
-                      WIDEN)  # [BN, D]
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, WIDEN)
+        if V_CODES:
+            vc, vd = _code_blocks(v_base, offs, valid, v_s2, V_BITS, D)  # [NB, BN, 32], [NB, BN]
+            weights = (p[None, :, :] * vd[:, None, :]).to(tl.float16)  # [NB, BG, BN]
+            acc = acc * alpha[None, :, None] + _dot(weights, vc, WIDEN)
+        else:
+            vt = _kv_tile(v_base, offs[:, None], cols[None, :], v_s2, valid[:, None], q.dtype.element_ty, V_BITS,
+                          WIDEN)  # [BN, D]
+            acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, WIDEN)
         m = m_new
+    if V_CODES:
+        acc = tl.reshape(tl.permute(acc, (1, 0, 2)), [BG, D])
     # o and lse are [tokens, heads, splits(, D)]; with one split o is the output itself
     has_work = start < end
     l_sum = tl.where(has_work, l_sum, 1.0)  # an empty split's rows are not stored
@@ -191,9 +260,9 @@ def _combine_kernel(o, lse, positions, max_len, split_len, num_splits, window, o
     tl.store(out + row * D + cols, acc / weight)
 
 
-def default_num_splits(num_tokens: int, kv_heads: int, max_len: int) -> int:
-    """Splits of the positions: enough programs to fill the GPU, none shorter than _MIN_SPLIT_LEN."""
-    wanted = triton.cdiv(_TARGET_PROGRAMS, max(1, num_tokens * kv_heads))
+def default_num_splits(num_tokens: int, kv_heads: int, max_len: int, programs: int = _TARGET_PROGRAMS) -> int:
+    """Splits of the positions: about `programs` programs, none shorter than _MIN_SPLIT_LEN."""
+    wanted = triton.cdiv(programs, max(1, num_tokens * kv_heads))
     return max(1, min(wanted, triton.cdiv(max_len, _MIN_SPLIT_LEN)))
 
 
@@ -222,22 +291,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty((n, num_heads, value_dim), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
+    bits = KV_BITS[k_qtype], KV_BITS[v_qtype]
+    launch = SPLIT_LAUNCH.get(bits, SplitLaunch())
     # K and V tiles of at most 16 KiB each: no register spills on sm_90 at 8 warps (checked in ptxas); a power of two
-    block_n = max(16, min(64, 1 << (8192 // head_dim // (q.element_size() // 2)).bit_length() - 1))
+    block_n = launch.block_n or max(16, min(64, 1 << (8192 // head_dim // (q.element_size() // 2)).bit_length() - 1))
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected at least 1, got {num_splits}")
-    wanted = num_splits or default_num_splits(n, kv_heads, max_len)
+    wanted = num_splits or default_num_splits(n, kv_heads, max_len, launch.programs)
     split_len = triton.cdiv(triton.cdiv(max_len, wanted), block_n) * block_n
     splits = triton.cdiv(max_len, split_len)  # none entirely past max_len
     group = num_heads // kv_heads
+    codes_dot = launch.codes_dot and q.dtype != torch.float32 and head_dim == value_dim and bits != (0, 0)
     o = out if splits == 1 else torch.empty((n, num_heads, splits, value_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((n, num_heads, splits), dtype=torch.float32, device=q.device)
     _split_kernel[(n, kv_heads, splits)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, *k_cache.stride()[:3], *v_cache.stride()[:3],
         slot_ids, positions, max_len, split_len, window, lse if sinks is None else sinks, o, lse, scale * _LOG2E,
         GROUP=group, BG=max(16, triton.next_power_of_2(group)), BN=block_n, D=value_dim, ROPE=head_dim - value_dim,
-        K_BITS=KV_BITS[k_qtype], V_BITS=KV_BITS[v_qtype], SINKS=sinks is not None,
-        WIDEN=interpreting() and q.dtype == torch.bfloat16, num_warps=8)
+        K_BITS=bits[0], V_BITS=bits[1], SINKS=sinks is not None,
+        WIDEN=interpreting() and (q.dtype == torch.bfloat16 or codes_dot), CODES_DOT=codes_dot,
+        num_warps=launch.num_warps, **({"num_stages": launch.num_stages} if launch.num_stages else {}))
     if splits > 1:
         _combine_kernel[(n, num_heads)](o, lse, positions, max_len, split_len, splits, window, out, D=value_dim,
                                         num_warps=1 if value_dim <= 128 else 2)

@@ -142,7 +142,8 @@ def test_decode_attention_with_windows_and_sinks_compiles_for_sm90(head_dim: int
     types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "lse": "*fp32", "sinks": "*fp32",
              "slot_ids": "*i64", "positions": "*i64", "qk_scale": "fp32"}
     compile_for_sm90(_split_kernel, types, dict(GROUP=8, BG=16, BN=max(16, 8192 // head_dim), D=head_dim, ROPE=0,
-                                                K_BITS=0, V_BITS=0, SINKS=True, WIDEN=False), num_warps=8)
+                                                K_BITS=0, V_BITS=0, SINKS=True, WIDEN=False, CODES_DOT=False),
+                     num_warps=8)
 
 
 @needs_backend
@@ -157,7 +158,7 @@ def test_a_quantized_kv_cache_is_read_in_vectors(qtype: QType) -> None:
              "slot_ids": "*i32", "positions": "*i32", "qk_scale": "fp32"}
     strides = {f"{c}_s{i}": stride for c in "kv" for i, stride in enumerate((4 * length * row, length * row, row))}
     sass = compile_sass(_split_kernel, dict(GROUP=8, BG=16, BN=64, D=128, ROPE=0, K_BITS=KV_BITS[qtype],
-                                            V_BITS=KV_BITS[qtype], SINKS=False, WIDEN=False), 8,
+                                            V_BITS=KV_BITS[qtype], SINKS=False, WIDEN=False, CODES_DOT=False), 8,
                         {**strides, "q_s0": 4096, "q_s1": 128, "max_len": length}, types)
     loads = collections.Counter(re.findall(r"\b((?:LDG|LDGSTS)\.E(?:\.[\w]+)*)\b", sass))
     assert not any(".U8" in k for k in loads) and sum(loads.values()) <= 32, loads
@@ -171,7 +172,7 @@ def test_mla_decode_kernels_compile_for_sm90() -> None:
     types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "lse": "*fp32", "sinks": "*fp32",
              "slot_ids": "*i64", "positions": "*i64", "qk_scale": "fp32"}
     compile_for_sm90(_split_kernel, types, dict(GROUP=16, BG=16, BN=16, D=512, ROPE=64, K_BITS=0, V_BITS=0,
-                                                SINKS=False, WIDEN=False), num_warps=8)
+                                                SINKS=False, WIDEN=False, CODES_DOT=False), num_warps=8)
     compile_for_sm90(_mla_qk_kernel, {"q": "*bf16", "kv": "*bf16", "k_b": "*bf16", "kv_norm": "*bf16", "out": "*bf16",
                                       "cache": "*bf16", "positions": "*i64", "slot_ids": "*i64", "inv_freq": "*fp32",
                                       "eps": "fp32", "gain": "fp32"},

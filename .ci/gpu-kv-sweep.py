@@ -1,0 +1,99 @@
+"""The decode attention's launch over a long quantized KV cache (CUDA): one token of Qwen3-30B-A3B's attention (32 q
+heads, 4 kv heads, head_dim 128, bf16 q) at POSITIONS positions, for each cache type, timed over every `SplitLaunch` of
+the sweep (products on the codes or not, programs wanted, positions a tile, warps, pipeline stages), each checked
+against the default launch's output. Prints the default's time and the fastest launches of each type. With a model,
+then decodes at a 32k-token context with each KV type in this process, the fastest launch of each type in place
+(`moecache bench` as docs/benchmarks.md's 32k rows). Usage: python3 .ci/gpu-kv-sweep.py [POSITIONS] [SECONDS] [MODEL]
+(default 32768 and 150: each type's sweep stops after a third of SECONDS); QUICK=1: a smaller sweep."""
+
+import itertools
+import os
+import sys
+import time
+
+import torch
+
+from ops import kv_quant
+from ops.quants import QType
+from ops.triton import attention
+from ops.triton.attention import SplitLaunch, decode_attention
+from service.cli import main
+
+POSITIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
+SECONDS = float(sys.argv[2]) if len(sys.argv) > 2 else 150.0
+MODEL = sys.argv[3] if len(sys.argv) > 3 else None
+TYPES = {"bf16": None, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0}
+SPACE = ((True, False), (64, 128, 32), (8, 4), (0, 3), (256, 512, 1024))
+if os.environ.get("QUICK"):  # a short lease: products on the codes or not, two tile lengths and program counts
+    SPACE = ((True, False), (64, 128), (8,), (0,), (256, 512))
+LAUNCHES = [SplitLaunch(p, b, w, s, c) for c, b, w, s, p in itertools.product(*SPACE)]
+torch.manual_seed(0)
+dev = torch.device("cuda")
+q = torch.randn(1, 32, 128, device=dev).bfloat16()
+dense = torch.randn(2, 1, 4, POSITIONS, 128, device=dev).bfloat16()
+slot = torch.zeros(1, dtype=torch.int32, device=dev)
+pos = torch.full((1,), POSITIONS - 1, dtype=torch.int32, device=dev)
+
+
+def timed(fn, reps: int = 20) -> float:
+    """us a call: a CUDA graph of `reps` calls, the median of 5 replays"""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[2]
+
+
+print(f"== decode attention, 1 token, 32 q heads / 4 kv heads, head_dim 128, {POSITIONS} positions "
+      f"({torch.cuda.get_device_name()})")
+for name, qtype in TYPES.items():
+    deadline = time.monotonic() + SECONDS / len(TYPES)
+    k, v = (dense[i] if qtype is None else kv_quant.quantize_rows(dense[i], qtype) for i in range(2))
+    bits = attention.KV_BITS[qtype], attention.KV_BITS[qtype]
+
+    def call(k: torch.Tensor = k, v: torch.Tensor = v, qtype: QType | None = qtype) -> torch.Tensor:
+        return decode_attention(q, k, v, slot, pos, 128 ** -0.5, k_qtype=qtype, v_qtype=qtype)
+
+    attention.SPLIT_LAUNCH.pop(bits, None)
+    want = call()
+    rows = [(timed(call), "default", SplitLaunch())]
+    print(f"{name}: default {SplitLaunch()} {rows[0][0]:.1f} us ({k.numel() * k.element_size() * 2 / 1e6:.1f} MB "
+          f"of K and V: {k.numel() * k.element_size() * 2 / rows[0][0] / 1e3:.0f} GB/s)", flush=True)
+    for launch in LAUNCHES if qtype is not None else [x for x in LAUNCHES if not x.codes_dot]:
+        if time.monotonic() > deadline:
+            print(f"   (deadline: {name} stopped before {launch})")
+            break
+        attention.SPLIT_LAUNCH[bits] = launch
+        try:
+            got = call()
+            ok = torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+            rows.append((timed(call), "ok" if ok else "WRONG", launch))
+        except Exception as e:  # a launch that does not compile (shared memory, registers) is skipped
+            print(f"   {launch}: {type(e).__name__}: {str(e)[:80]}")
+    attention.SPLIT_LAUNCH.pop(bits, None)
+    ranked = sorted(rows, key=lambda r: r[0])
+    for us, status, launch in ranked[:8]:
+        print(f"   {us:7.1f} us {status:7s} {launch}")
+    best = next((launch for _, status, launch in ranked if status != "WRONG"), SplitLaunch())
+    if best != SplitLaunch():
+        attention.SPLIT_LAUNCH[bits] = best  # for the decode runs below
+    sys.stdout.flush()
+del dense, k, v, want
+torch.cuda.empty_cache()
+for name in os.environ.get("KV_TYPES", " ".join(TYPES)).split() if MODEL else ():
+    bits = attention.KV_BITS[TYPES[name]], attention.KV_BITS[TYPES[name]]
+    print(f"== KV {name}, 32k context, launch {attention.SPLIT_LAUNCH.get(bits, SplitLaunch())}", flush=True)
+    main(["bench", "-m", MODEL, "--n-cpu-moe", "0", "--kv-cache-dtype", name, "--batches", "1", "--prompt-len", "16",
+          "--decode-prompt-len", "32704", "--max-num-seqs", "1", "--warmup-gen-len", "2", "--gen-len", "64",
+          "--repeats", "1"])
+    sys.stdout.flush()
