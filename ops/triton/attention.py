@@ -113,41 +113,39 @@ def _row_parts(row, pos, valid, s_pos, BITS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _codes(raw, BITS: tl.constexpr, HALF: tl.constexpr):
+    # code bytes `[BN, D * BITS / 8]` (`_row_parts`) -> the codes `[BN, D / 32, 32]`, float16 (HALF) or float32: exact.
+    # NOTE: no int-to-float conversion (a quarter-rate instruction on sm_90): a code's offset binary (an int8's sign
+    # bit flipped; a 4-bit code's offset 8) goes under the bits of 1024 (float16) or 2**23 (float32), and one exact
+    # subtraction of that and the offset leaves the code
+    magic: tl.constexpr = 0x6400 if HALF else 0x4B000000
+    base: tl.constexpr = (1024.0 if HALF else 8388608.0) + (128.0 if BITS == 8 else 8.0)  # and the offset
+    BN: tl.constexpr = raw.shape[0]
+    NB: tl.constexpr = raw.shape[1] * 8 // BITS // 32
+    bits = raw.to(tl.int16 if HALF else tl.int32)
+    if BITS == 8:
+        bits = bits ^ (magic | 0x80)
+    else:
+        b = tl.reshape(bits, [BN, NB, 16])
+        bits = tl.permute(tl.join((b & 15) | magic, (b >> 4) | magic), (0, 1, 3, 2))
+    codes = bits.to(tl.float16 if HALF else tl.float32, bitcast=True) - base
+    return tl.reshape(codes, [BN, NB, 32])
+
+
+@triton.jit
 def _quantized_rows(row, pos, valid, s_pos, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr,
                     D: tl.constexpr):
     # rows `pos` `[BN]` of q8_0 / q4_0 values (`_row_parts`) -> `[BN, D]` d * code in float32, rounded to DTYPE
-    NB: tl.constexpr = D // 32
     d, raw = _row_parts(row, pos, valid, s_pos, BITS, D)
-    # NOTE: a code becomes a float without an int-to-float conversion (a quarter-rate instruction on sm_90): its
-    # bits under 2**23's (offset binary: an int8's sign bit flipped) give 2**23 + offset + code, and one exact
-    # subtraction leaves the code
-    if BITS == 8:
-        bits = raw.to(tl.int32) ^ 0x4B000080  # 0x4B000000 | (code + 128)
-        codes = tl.reshape(bits.to(tl.float32, bitcast=True) - 8388736.0, [pos.shape[0], NB, 32])
-    else:
-        b = tl.reshape(raw.to(tl.int32), [pos.shape[0], NB, 16])
-        bits = tl.reshape(tl.permute(tl.join((b & 15) | 0x4B000000, (b >> 4) | 0x4B000000), (0, 1, 3, 2)),
-                          [pos.shape[0], NB, 32])  # 0x4B000000 | (code + 8)
-        codes = bits.to(tl.float32, bitcast=True) - 8388616.0
-    return tl.reshape(_rounded(d[:, :, None] * codes, DTYPE, WIDEN), [pos.shape[0], D])
+    return tl.reshape(_rounded(d[:, :, None] * _codes(raw, BITS, False), DTYPE, WIDEN), [pos.shape[0], D])
 
 
 @triton.jit
 def _code_blocks(row, pos, valid, s_pos, BITS: tl.constexpr, D: tl.constexpr):
-    # rows `pos` `[BN]` of q8_0 / q4_0 values (`_row_parts`) -> their codes `[D / 32, BN, 32]` as float16 (exact: 1024
-    # + offset + code in a float16's bits, less 1024 + offset) and their blocks' scales `[D / 32, BN]`, 0 for rows not
-    # valid: a value is scale * code
-    NB: tl.constexpr = D // 32
+    # rows `pos` `[BN]` of q8_0 / q4_0 values (`_row_parts`) -> their codes `[D / 32, BN, 32]` as float16 and their
+    # blocks' scales `[D / 32, BN]`, 0 for rows not valid: a value is scale * code
     d, raw = _row_parts(row, pos, valid, s_pos, BITS, D)
-    if BITS == 8:
-        bits = raw.to(tl.int16) ^ 0x6480  # 0x6400 | (code + 128)
-        codes = tl.reshape(bits.to(tl.float16, bitcast=True) - 1152.0, [pos.shape[0], NB, 32])
-    else:
-        b = tl.reshape(raw.to(tl.int16), [pos.shape[0], NB, 16])
-        bits = tl.reshape(tl.permute(tl.join((b & 15) | 0x6400, (b >> 4) | 0x6400), (0, 1, 3, 2)),
-                          [pos.shape[0], NB, 32])  # 0x6400 | (code + 8)
-        codes = bits.to(tl.float16, bitcast=True) - 1032.0
-    return tl.permute(codes.to(tl.float16), (1, 0, 2)), tl.permute(d, (1, 0))
+    return tl.permute(_codes(raw, BITS, True), (1, 0, 2)), tl.permute(d, (1, 0))
 
 
 @triton.jit
