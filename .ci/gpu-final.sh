@@ -19,7 +19,10 @@
 #      32k-token context (one sequence) with the KV cache in each of KV_TYPES (default bf16 q8_0 q4_0; experts
 #      resident), as long as the stage's time lasts.
 #   7: throughput as served with every routed expert in host RAM behind a cache of half their bytes (bench-serve).
-# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | ... | 7
+#   8: issue 19's KV types: the decode attention's launches timed at 32k positions and 32k-token decodes with the
+#      fastest of each type (.ci/gpu-kv-sweep.py, SWEEP_S seconds of sweep, default 150), then the KL divergence of
+#      q8_0 and q4_0 KV against bf16 (`moecache perplexity`, 2 chunks of 8,192 tokens of the package's corpus).
+# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | ... | 8
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LOGS=${LOGS:-/tmp/moecache-gpu}  # kept between the calls of one lease; packed into $OUT/gpu-logs.tgz at the end
@@ -187,5 +190,18 @@ print(sum(t.num_bytes for t in GGUFFile('$M') if '_exps' in t.name) // 2 >> 20)"
   PYTHONPATH=/tmp/site:$PWD timeout 400 python3 -m service.cli bench-serve -m $M --cpu-moe --moe-cache-mib "$HALF_MIB" \
     --miss-mode stream --clients 1,8,32 --gen-len 128 --join 4 --json "$LOGS/serve-cached.json" 2>&1 \
     | tee "$LOGS/serve-cached.log" | grep -E "^\|"
+  ;;
+8)
+  M=/tmp/qwen3moe-30b-a3b.gguf
+  PYTHONPATH=/tmp/site:$PWD timeout 480 python3 .ci/gpu-kv-sweep.py 32768 "${SWEEP_S:-150}" $M 2>&1 \
+    | tee "$LOGS/kv-sweep.log" | grep -E "^(==|\|| +[0-9.]+ us|[a-z0-9_]+: default)"
+  PYTHONPATH=/tmp/site:$PWD python3 -c "from tools.corpus import CORPUS; open('/tmp/corpus.txt', 'w').write(chr(10).join(CORPUS * 8))"
+  PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m service.cli perplexity -m $M -f /tmp/corpus.txt -c 8192 --chunks 2 \
+    --kl-divergence-base /tmp/kv-base.kld > "$LOGS/kld-bf16.log" 2>&1
+  for kv in q8_0 q4_0; do
+    echo "== KL divergence of $kv KV against bf16" | tee -a "$LOGS/kld.log"
+    PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m service.cli perplexity -m $M --kv-cache-dtype $kv --kl-divergence \
+      --kl-divergence-base /tmp/kv-base.kld 2>&1 | tee -a "$LOGS/kld.log" | grep -E "Mean|KLD|Same top|rror"
+  done
   ;;
 esac
