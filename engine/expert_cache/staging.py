@@ -1,7 +1,9 @@
 """Prefill's expert staging (CUDA): a large batch uses nearly every expert of a layer, so each host layer's
 uncached experts are copied into one of two VRAM buffers on the copy stream, the next layer's copy running while
 the current layer computes (double buffering), in runs of consecutive experts from pinned host memory (one copy
-per run and part: the copy engine's, which leaves the multiprocessors to the layer's kernels).
+per run and part: the copy engine's, which leaves the multiprocessors to the layer's kernels). A layer whose experts
+are all cached and read in place copies nothing and takes no buffer: the next layer that copies is staged while it
+computes.
 
 Cached experts are read where they are (`in_place`): the staged layer's tables (`tables`) address each cached
 expert in its slot and each other one in the buffer, for kernels that find experts through such tables (the fused
@@ -47,7 +49,8 @@ class LayerStager:
         self.buffers: dict[tuple, list[ExpertWeights]] = {}  # bank shape -> its two buffers
         self.turn: dict[tuple, int] = {}
         self.free: dict[int, torch.cuda.Event] = {}  # id(buffer) -> recorded after its last reader
-        self.ready: dict[int, tuple[ExpertWeights, torch.cuda.Event]] = {}  # layer -> (buffer, copied)
+        # layer -> (buffer, copied); a layer that copies nothing: (its host bank, None)
+        self.ready: dict[int, tuple[ExpertWeights, torch.cuda.Event | None]] = {}
         self._tables: dict[tuple, torch.Tensor] = {}  # (layer, buffer, slots) -> its addresses `[3, experts]`
         self._math: dict[int, ExpertMath] = {}  # layer -> its expert math on the device
 
@@ -59,16 +62,28 @@ class LayerStager:
             self._upload_from_disk(layer, self.tier, used)
         elif layer not in self.ready:
             self._upload(layer)
-        index = self.order.index(layer)
-        following = self.order[index + 1] if index + 1 < len(self.order) else None
-        if following is not None and following not in self.ready and not self._on_disk(following):
-            self._upload(following)
+        self._stage_next(layer)
         buffer, copied = self.ready.pop(layer)
-        torch.cuda.current_stream(buffer.gate.device).wait_event(copied)
+        if copied is not None:
+            torch.cuda.current_stream(buffer.gate.device).wait_event(copied)
         return buffer
 
+    def _stage_next(self, layer: int) -> None:
+        """Start copying the next host layer after `layer` that copies anything: one whose experts are all read in
+        their slots takes no buffer, so the link stages the next one across cached layers. A layer on disk stops it."""
+        for following in self.order[self.order.index(layer) + 1:]:
+            if self._on_disk(following):
+                return
+            if following not in self.ready:
+                self._upload(following)
+            if self.ready[following][1] is not None:
+                return
+
     def release(self, buffer: ExpertWeights) -> None:
-        """The compute stream has queued its last read of `buffer`: it may be refilled after that."""
+        """The compute stream has queued its last read of `buffer`: it may be refilled after that (a layer that
+        copied nothing was handed its host bank, no buffer)."""
+        if not any(buffer is b for pair in self.buffers.values() for b in pair):
+            return
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(buffer.gate.device))
         self.free[id(buffer)] = event
@@ -103,9 +118,12 @@ class LayerStager:
                             host.ff, math)
 
     def _upload(self, layer: int) -> None:
-        host = self.host[layer]
+        host, runs = self.host[layer], self.copied_runs(layer)
+        if not runs:  # every expert read in its slot: its tables name no buffer
+            self.ready[layer] = (host, None)
+            return
         buffer = self._next_buffer(host)
-        runs, after = self.copied_runs(layer), self.free.pop(id(buffer), None)
+        after = self.free.pop(id(buffer), None)
         if len(runs) > self.gather_runs:
             host_bytes = sum(stop - start for start, stop, slot in runs if slot < 0) * host.expert_bytes
             parts = expert_parts(buffer, slice(None))

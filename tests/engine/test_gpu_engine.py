@@ -14,6 +14,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.expert_cache.cache import ExpertCache, build_expert_cache
+from engine.expert_cache.profile import Profile
 from engine.expert_cache.record import HIT, LANDED, STAGED
 from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
@@ -157,6 +158,28 @@ def test_prefill_batches_equal_the_reference(weights: ModelWeights, cpu_moe: boo
             assert rel_error(outs[layer], ref(layer, x, ids, w)) < 2e-2
     if cpu_moe:
         assert stager is not None and cache.table_residents() and len(stager.buffers) == 1 and not stager.ready
+    cache.close()
+
+
+def test_a_prompt_stages_the_next_copying_layer_across_a_cached_one(weights: ModelWeights, tmp_path: Path) -> None:
+    """Every expert of the first host layer cached (a static warm start), read in place: that layer copies nothing and
+    takes no staging buffer, the next layer is staged while it computes, and the batches equal the reference."""
+    first = weights.moe_layers[0]
+    profile = tmp_path / "profile.json"
+    Profile({first: dict.fromkeys(range(weights.hparams.num_experts), 1)}).save(profile)
+    cache = make_cache(weights, budget_mib=2, miss_mode="stream", policy="static", profile_in=str(profile))
+    stager = cache.dispatcher.stager
+    assert stager is not None and stager.in_place
+    ref = ReferenceExperts({i: weights.layers[i].ffn.experts for i in weights.moe_layers})
+    rng = np.random.default_rng(5)
+    for size in (1, 1, 64, 1, 64):
+        if size > 1:  # the warm start's uploads are published
+            assert stager.copied_runs(first) == [] and stager.copied_runs(weights.moe_layers[1])
+        layers = {layer: random_step(rng, size, 16, 4) for layer in weights.moe_layers}
+        outs, _ = step(cache, layers, size)
+        for layer, (x, ids, w) in layers.items():
+            assert rel_error(outs[layer], ref(layer, x, ids, w)) < 2e-2
+    assert not stager.ready and not stager.free.keys() & {id(bank) for bank in stager.host.values()}
     cache.close()
 
 

@@ -57,3 +57,21 @@ def test_a_staged_layer_reads_cached_experts_in_their_slots_and_copies_only_the_
             for part, ptrs in zip(want, (tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs), strict=True):
                 got = ctypes.string_at(int(ptrs[expert]), part.numel())
                 assert got == part.numpy().tobytes(), f"expert {expert} (in place: {in_place})"
+
+
+def test_a_layer_read_wholly_in_place_takes_no_buffer() -> None:
+    """In place, layers whose experts are all cached copy nothing: each is handed its host bank (its tables name only
+    slots), none takes a staging buffer or waits for a copy, and handing it back records nothing."""
+    host, pool = {5: bank(4, 0), 6: bank(4, 1)}, bank(8, 2)
+    slots = {5: [0, 1, 2, 3], 6: [4, 5, 6, 7]}
+    stager = LayerStager(host, {0: pool}, {5: 0, 6: 0}, lambda layer: slots[layer], copies=None,  # type: ignore[arg-type]
+                         in_place=True)
+    first = stager.bank(5)
+    assert first is host[5] and stager.ready == {6: (host[6], None)}  # the next layer, marked ready as well
+    stager.release(first)
+    assert stager.bank(6) is host[6] and not stager.ready and not stager.buffers and not stager.free
+    tables = stager.tables(6, host[6])
+    for expert, slot in enumerate(slots[6]):
+        part = expert_parts(pool, slot)[0]
+        assert ctypes.string_at(int(tables.gate_ptrs[expert]), part.numel()) == part.numpy().tobytes()
+    stager.finish()
