@@ -164,7 +164,8 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
     # D: the values' width and the keys' first columns; ROPE > 0: the keys' D.. D + ROPE columns (a latent cache).
     # CODES_DOT (16-bit q, ROPE 0): a quantized side's products take its codes as float16, one product a block of 32
     # columns, and its blocks' scales apply to the products (keys: to a block's scores; values: to the
-    # probabilities a block's columns are weighted with), in place of a tile of scale * code values
+    # probabilities a block's columns are weighted with), in place of a tile of scale * code values; q, and the
+    # probabilities times a value block's scale, go to the tensor cores as float16 (a q past 65,504 would overflow)
     token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads, num_splits = tl.num_programs(1) * GROUP, tl.num_programs(2)
     slot = tl.load(slot_ids + token).to(tl.int64)
