@@ -18,6 +18,7 @@ from ops.quants import QType
 from ops.triton import attention
 from ops.triton.attention import SplitLaunch, decode_attention
 from service.cli import main
+from tools.bench_kernels import time_calls
 
 POSITIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 SECONDS = float(sys.argv[2]) if len(sys.argv) > 2 else 150.0
@@ -35,23 +36,9 @@ slot = torch.zeros(1, dtype=torch.int32, device=dev)
 pos = torch.full((1,), POSITIONS - 1, dtype=torch.int32, device=dev)
 
 
-def timed(fn, reps: int = 20) -> float:
-    """us a call: a CUDA graph of `reps` calls, the median of 5 replays"""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[2]
+def timed(call) -> float:
+    """us a call: a CUDA graph of 20 calls, the median of its replays"""
+    return time_calls([call] * 20)[0]
 
 
 print(f"== decode attention, 1 token, 32 q heads / 4 kv heads, head_dim 128, {POSITIONS} positions "
