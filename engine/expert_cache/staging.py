@@ -102,18 +102,18 @@ class LayerStager:
         # cache, and a later copy into a slot first waits for the compute stream (`CopyEngine.copy`)
         from ops.triton.tables import ExpertTables
 
-        host = self.host[layer]
+        host, device = self.host[layer], self.copies.device  # `buffer` is the host bank where nothing was copied
         key = (layer, buffer.gate.data_ptr(), tuple(self.slots_of(layer)[:host.num_experts]) if self.in_place else ())
         ptrs = self._tables.get(key)
         if ptrs is None:
             runs = self.runs(layer) if self.in_place else [(0, host.num_experts, -1)]
             ptrs = torch.tensor(self.sources(layer, runs, buffer), dtype=torch.int64)
-            if buffer.gate.is_cuda:
-                ptrs = ptrs.pin_memory().to(buffer.gate.device, non_blocking=True)
+            if device.type == "cuda":
+                ptrs = ptrs.pin_memory().to(device, non_blocking=True)
             self._tables = {k: v for k, v in self._tables.items() if k[0] != layer} | {key: ptrs}
         math = self._math.get(layer)
         if math is None:
-            math = self._math[layer] = host.math.to(buffer.gate.device)
+            math = self._math[layer] = host.math.to(device)
         return ExpertTables(ptrs[0], ptrs[1], ptrs[2], host.gate_type, host.up_type, host.down_type, host.hidden,
                             host.ff, math)
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.expert_cache.device import expert_parts
+from engine.expert_cache.device import CopyEngine, expert_parts
 from engine.expert_cache.staging import LayerStager
 from ops.bank import ExpertWeights
 from ops.expert_math import ExpertMath
@@ -27,7 +27,7 @@ def bank(num_experts: int, seed: int) -> ExpertWeights:
 def test_cached_experts_are_read_from_their_slots_and_the_rest_from_host_memory() -> None:
     host, pool = bank(8, 0), bank(3, 1)
     slots = [-1, -1, 2, -1, 0, -1, -1, 1]  # experts 2, 4 and 7 cached in slots 2, 0 and 1
-    stager = LayerStager({5: host}, {0: pool}, {5: 0}, lambda layer: slots, copies=None)  # type: ignore[arg-type]
+    stager = LayerStager({5: host}, {0: pool}, {5: 0}, lambda layer: slots, copies=CopyEngine(torch.device("cpu")))
     runs = stager.runs(5)
     assert runs == [(0, 2, -1), (2, 3, 2), (3, 4, -1), (4, 5, 0), (5, 7, -1), (7, 8, 1)]
     sources = stager.sources(5, runs, host)
@@ -46,7 +46,7 @@ def test_a_staged_layer_reads_cached_experts_in_their_slots_and_copies_only_the_
     host = replace(host, math=ExpertMath("gelu", None, None, torch.randn(8, 256)))
     slots = [-1, -1, 2, -1, 0, -1, -1, 1]
     for in_place in (True, False):
-        stager = LayerStager({5: host}, {0: pool}, {5: 0}, lambda layer: slots, copies=None,  # type: ignore[arg-type]
+        stager = LayerStager({5: host}, {0: pool}, {5: 0}, lambda layer: slots, copies=CopyEngine(torch.device("cpu")),
                              in_place=in_place)
         copied = stager.copied_runs(5)
         assert copied == ([(0, 2, -1), (3, 4, -1), (5, 7, -1)] if in_place else stager.runs(5))
@@ -64,8 +64,8 @@ def test_a_layer_read_wholly_in_place_takes_no_buffer() -> None:
     slots), none takes a staging buffer or waits for a copy, and handing it back records nothing."""
     host, pool = {5: bank(4, 0), 6: bank(4, 1)}, bank(8, 2)
     slots = {5: [0, 1, 2, 3], 6: [4, 5, 6, 7]}
-    stager = LayerStager(host, {0: pool}, {5: 0, 6: 0}, lambda layer: slots[layer], copies=None,  # type: ignore[arg-type]
-                         in_place=True)
+    stager = LayerStager(host, {0: pool}, {5: 0, 6: 0}, lambda layer: slots[layer],
+                         copies=CopyEngine(torch.device("cpu")), in_place=True)
     first = stager.bank(5)
     assert first is host[5] and stager.ready == {6: (host[6], None)}  # the next layer, marked ready as well
     stager.release(first)
