@@ -42,14 +42,20 @@ class SplitLaunch:
     """How the split kernel is launched for a pair of cache types (`SPLIT_LAUNCH`)."""
 
     programs: int = _TARGET_PROGRAMS  # (token, kv head, split) programs wanted (`default_num_splits`)
-    block_n: int = 0  # positions a tile; 0: tiles of at most 16 KiB (no register spills on sm_90 at 8 warps)
+    block_n: int = 0  # positions a tile (`tile_positions`); 0: tiles of at most 16 KiB
     num_warps: int = 8
     num_stages: int = 0  # 0: Triton's default
     codes_dot: bool = False  # a quantized side's products on its codes, its block scales applied to them (16-bit q)
 
 
-# (K bits, V bits) -> the launch; pairs not listed take SplitLaunch() (.ci/gpu-kv-sweep.py times the choices)
-SPLIT_LAUNCH: dict[tuple[int, int], SplitLaunch] = {}
+# (K bits, V bits) -> the launch; pairs not listed take SplitLaunch(). The fastest at 32k positions of
+# .ci/gpu-kv-sweep.py on an H100, one layer's cache replayed (docs/benchmarks.md, 2026-12-07 ninth lease): q8_0 34.3
+# us (default 46.1), q4_0 33.1 us (default 38.7), bf16's default 33.8 us; decode at 32k: q8_0 0.85x -> 0.94x bf16,
+# q4_0 0.92x -> 0.96x.
+SPLIT_LAUNCH: dict[tuple[int, int], SplitLaunch] = {
+    (8, 8): SplitLaunch(block_n=64, num_warps=4, num_stages=3),
+    (4, 4): SplitLaunch(block_n=128, num_warps=4, num_stages=3),
+}
 
 
 @triton.jit
@@ -259,6 +265,14 @@ def _combine_kernel(o, lse, positions, max_len, split_len, num_splits, window, o
     tl.store(out + row * D + cols, acc / weight)
 
 
+def tile_positions(launch: SplitLaunch, head_dim: int, q_bytes: int) -> int:
+    """Positions a tile of the split kernel, a power of two: the launch's at head_dim <= 128 and 16-bit q, fewer for
+    wider heads and float32 q (the same bytes); by default K and V tiles of at most 16 KiB each (no register spills on
+    sm_90 at 8 warps, checked in ptxas)."""
+    wide = (launch.block_n * 128 // max(head_dim, 128) or 8192 // head_dim) // (q_bytes // 2)
+    return max(16, min(launch.block_n or 64, 1 << wide.bit_length() - 1))
+
+
 def default_num_splits(num_tokens: int, kv_heads: int, max_len: int, programs: int = _TARGET_PROGRAMS) -> int:
     """Splits of the positions: about `programs` programs, none shorter than _MIN_SPLIT_LEN."""
     wanted = triton.cdiv(programs, max(1, num_tokens * kv_heads))
@@ -292,8 +306,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     bits = KV_BITS[k_qtype], KV_BITS[v_qtype]
     launch = SPLIT_LAUNCH.get(bits, SplitLaunch())
-    # K and V tiles of at most 16 KiB each: no register spills on sm_90 at 8 warps (checked in ptxas); a power of two
-    block_n = launch.block_n or max(16, min(64, 1 << (8192 // head_dim // (q.element_size() // 2)).bit_length() - 1))
+    block_n = tile_positions(launch, head_dim, q.element_size())
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits: expected at least 1, got {num_splits}")
     wanted = num_splits or default_num_splits(n, kv_heads, max_len, launch.programs)

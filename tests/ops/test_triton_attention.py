@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -132,6 +134,19 @@ def assert_same_values(case: Case, out: torch.Tensor, same: torch.Tensor, seed: 
     assert_close(case, out, same.double().cpu().to(case.dtype), seed)
 
 
+@contextmanager
+def launched(bits: tuple[int, int], launch: SplitLaunch) -> Iterator[None]:
+    """`launch` for the cache types `bits` while the block runs; the shipped table after it."""
+    shipped = attention.SPLIT_LAUNCH.get(bits)
+    attention.SPLIT_LAUNCH[bits] = launch
+    try:
+        yield
+    finally:
+        attention.SPLIT_LAUNCH.pop(bits)
+        if shipped is not None:
+            attention.SPLIT_LAUNCH[bits] = shipped
+
+
 def run_case(case: Case, device: torch.device, seed: int) -> float:
     """Kernel output vs the reference for fresh random inputs; asserts and returns the max abs error."""
     q, k, v, slot_ids, positions = random_inputs(case, torch.Generator().manual_seed(seed))
@@ -145,19 +160,15 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     sinks = None if sinks is None else sinks.to(device)
     poison_allocator(device, 64 << 20)
     bits = KV_BITS[case.k_qtype], KV_BITS[case.v_qtype]
-    launch = attention.SPLIT_LAUNCH.get(bits)
-    attention.SPLIT_LAUNCH[bits] = SplitLaunch(codes_dot=case.codes_dot)
-    try:
+    launch = replace(attention.SPLIT_LAUNCH.get(bits, SplitLaunch()), codes_dot=case.codes_dot)  # as shipped
+    with launched(bits, launch):
         out = decode_attention(q, k, v, slot_ids, positions, scale, num_splits=case.num_splits, k_qtype=case.k_qtype,
                                v_qtype=case.v_qtype, window=case.window, sinks=sinks)
-    finally:
-        attention.SPLIT_LAUNCH.pop(bits)
-        if launch is not None:
-            attention.SPLIT_LAUNCH[bits] = launch
     # NOTE: products on the codes skip the dequantized values' rounding to 16 bits: within tolerance of the reference
     if case.qtypes != (None, None) and not case.codes_dot:
-        same = decode_attention(q, k_dense, v_dense, slot_ids, positions, scale, num_splits=case.num_splits,
-                                window=case.window, sinks=sinks)
+        with launched((0, 0), launch):  # the same tiles over the dequantized cache: the same sums
+            same = decode_attention(q, k_dense, v_dense, slot_ids, positions, scale, num_splits=case.num_splits,
+                                    window=case.window, sinks=sinks)
         assert_same_values(case, out, same, seed)
     return assert_close(case, out, ref, seed)
 
