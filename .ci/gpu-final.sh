@@ -102,7 +102,7 @@ case "$1" in
   PYTHONPATH=/tmp/site:$PWD timeout 120 python3 .ci/gpu-expert-sweep.py 100 > "$LOGS/expert-sweep.log" 2>&1
   grep -E "^(==|  1 )" "$LOGS/expert-sweep.log" | grep -E "==|blocks|\*" | head -60
   BUDGET_S=165 PROFILE_S=160 PROFILE_LINES=160 bash .ci/gpu-check profile
-  PYTHONPATH=/tmp/site:$PWD timeout 150 python3 .ci/gpu-prefill-profile.py /tmp/qwen3moe-30b-a3b.gguf 512 2>&1 \
+  ROUTING=model PROFILE=$PROFILE PYTHONPATH=/tmp/site:$PWD timeout 150 python3 .ci/gpu-prefill-profile.py /tmp/qwen3moe-30b-a3b.gguf 512 cpu-moe 2>&1 \
     | tee "$LOGS/prefill-profile.log" | grep -E "^(==|  +[0-9])" | head -70
   PYTHONPATH=/tmp/site:$PWD timeout 45 python3 .ci/gpu-bell-probe.py 14 2>&1 | tee "$LOGS/bell-probe.log" | tail -8
   PYTHONPATH=/tmp/site:$PWD timeout 75 python3 .ci/gpu-miss-probe.py 2>&1 | tee "$LOGS/miss-probe.log" | tail -3

@@ -1,10 +1,12 @@
 """The decode attention's launch over a long quantized KV cache (CUDA): one token of Qwen3-30B-A3B's attention (32 q
-heads, 4 kv heads, head_dim 128, bf16 q) at POSITIONS positions, for each cache type, timed over every `SplitLaunch` of
-the sweep (products on the codes or not, programs wanted, positions a tile, warps, pipeline stages), each checked
-against the default launch's output. Prints the default's time and the fastest launches of each type. With a model,
-then decodes at a 32k-token context with each KV type in this process, the fastest launch of each type in place
-(`moecache bench` as docs/benchmarks.md's 32k rows). Usage: python3 .ci/gpu-kv-sweep.py [POSITIONS] [SECONDS] [MODEL]
-(default 32768 and 150: each type's sweep stops after a third of SECONDS); QUICK=1: a smaller sweep."""
+heads, 4 kv heads, head_dim 128, bf16 q) at POSITIONS positions, for each cache type, timed over every `SplitLaunch`
+of the sweep (products on the codes or not, programs wanted, positions a tile, warps, pipeline stages), each checked
+against the default launch's output. Each timing cycles through as many layers' caches as pass 200 MB, so that no
+type's cache is read from L2 (a q8_0 layer at 32k is 36 MB, within an H100's 50 MB L2), as in a decode step. Prints
+the default's time and the fastest launches of each type. With a model, then decodes at a 32k-token context with each
+KV type in this process, the fastest launch of each type in place (`moecache bench` as docs/benchmarks.md's 32k rows).
+Usage: python3 .ci/gpu-kv-sweep.py [POSITIONS] [SECONDS] [MODEL] (default 32768 and 150: each type's sweep stops after
+a third of SECONDS); QUICK=1: a smaller sweep."""
 
 import itertools
 import os
@@ -36,9 +38,9 @@ slot = torch.zeros(1, dtype=torch.int32, device=dev)
 pos = torch.full((1,), POSITIONS - 1, dtype=torch.int32, device=dev)
 
 
-def timed(call) -> float:
-    """us a call: a CUDA graph of 20 calls, the median of its replays"""
-    return time_calls([call] * 20)[0]
+def timed(calls: list) -> float:
+    """us a call: a CUDA graph of 20 calls cycling through `calls` (one a layer's cache), the median of its replays"""
+    return time_calls([calls[i % len(calls)] for i in range(20)])[0]
 
 
 print(f"== decode attention, 1 token, 32 q heads / 4 kv heads, head_dim 128, {POSITIONS} positions "
@@ -47,15 +49,18 @@ for name, qtype in TYPES.items():
     deadline = time.monotonic() + SECONDS / len(TYPES)
     k, v = (dense[i] if qtype is None else kv_quant.quantize_rows(dense[i], qtype) for i in range(2))
     bits = attention.KV_BITS[qtype], attention.KV_BITS[qtype]
+    layer_bytes = k.numel() * k.element_size() * 2
+    layers = [(k, v)] + [(k.clone(), v.clone()) for _ in range(-(-200_000_000 // layer_bytes) - 1)]
 
     def call(k: torch.Tensor = k, v: torch.Tensor = v, qtype: QType | None = qtype) -> torch.Tensor:
         return decode_attention(q, k, v, slot, pos, 128 ** -0.5, k_qtype=qtype, v_qtype=qtype)
 
+    calls = [lambda k=lk, v=lv, call=call: call(k, v) for lk, lv in layers]
     attention.SPLIT_LAUNCH.pop(bits, None)
     want = call()
-    rows = [(timed(call), "default", SplitLaunch())]
-    print(f"{name}: default {SplitLaunch()} {rows[0][0]:.1f} us ({k.numel() * k.element_size() * 2 / 1e6:.1f} MB "
-          f"of K and V: {k.numel() * k.element_size() * 2 / rows[0][0] / 1e3:.0f} GB/s)", flush=True)
+    rows = [(timed(calls), "default", SplitLaunch())]
+    print(f"{name}: default {SplitLaunch()} {rows[0][0]:.1f} us ({layer_bytes / 1e6:.1f} MB of K and V, "
+          f"{len(layers)} layers' caches: {layer_bytes / rows[0][0] / 1e3:.0f} GB/s)", flush=True)
     for launch in LAUNCHES if qtype is not None else [x for x in LAUNCHES if not x.codes_dot]:
         if time.monotonic() > deadline:
             print(f"   (deadline: {name} stopped before {launch})")
@@ -64,7 +69,7 @@ for name, qtype in TYPES.items():
         try:
             got = call()
             ok = torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-            rows.append((timed(call), "ok" if ok else "WRONG", launch))
+            rows.append((timed(calls), "ok" if ok else "WRONG", launch))
         except Exception as e:  # a launch that does not compile (shared memory, registers) is skipped
             print(f"   {launch}: {type(e).__name__}: {str(e)[:80]}")
     attention.SPLIT_LAUNCH.pop(bits, None)
@@ -75,7 +80,7 @@ for name, qtype in TYPES.items():
     if best != SplitLaunch():
         attention.SPLIT_LAUNCH[bits] = best  # for the decode runs below
     sys.stdout.flush()
-del dense, k, v, want
+del dense, k, v, want, layers, calls
 torch.cuda.empty_cache()
 for name in os.environ.get("KV_TYPES", " ".join(TYPES)).split() if MODEL else ():
     bits = attention.KV_BITS[TYPES[name]], attention.KV_BITS[TYPES[name]]

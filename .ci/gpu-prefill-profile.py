@@ -1,7 +1,10 @@
 """Where a prompt's time goes (issue 16's pp512): one `prompt_len`-token prefill profiled after a warm one, per
 configuration: wall time and tokens/s, the device's kernels by name (time, count) and how busy it was, then the
-host's time by function (cProfile, a third prefill) where the device waits for it.
-Usage: [ROUTING=model] python3 .ci/gpu-prefill-profile.py MODEL.gguf [prompt_len] [config name substring]
+host's time by function (cProfile, a third prefill) where the device waits for it. The host -> device copies' timeline:
+how long the link was busy between the prompt's first and last copy, and its longest idle stretches with the kernels
+that ran meanwhile (a staged prompt's floor is its copies back to back).
+Usage: [ROUTING=model] [PROFILE=FILE] python3 .ci/gpu-prefill-profile.py MODEL.gguf [prompt_len] [config name substring]
+(PROFILE: bench's `--cache-profile`, so that a cache starts full as bench's prompt rows do)
 (ROUTING: bench's routing, default synthetic:qwen3; `model`, the model's router, lets a resident prompt's first chunk
 replay a CUDA graph, `engine/runner.py`)
 (on a machine without CUDA it profiles the CPU's operators: a smoke run)"""
@@ -17,7 +20,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.config import EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.types import Request, SamplingParams
 from service.bench.runner import apply
@@ -58,12 +61,37 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def link_timeline(events: list[tuple[str, float, float]]) -> None:
+    """(name, start us, end us) of the device's events: the host -> device copies' busy time over their span, and
+    their five longest idle stretches with the kernels that ran in each."""
+    copies = sorted((a, b) for name, a, b in events if "HtoD" in name)
+    if not copies:
+        return
+    span = copies[-1][1] - copies[0][0]
+    print(f"   link: {len(copies)} copies, busy {busy_us(copies) / 1e3:.1f} ms of the {span / 1e3:.1f} ms from the "
+          f"first to the last (the prompt's first event at +0, the first copy at "
+          f"+{(copies[0][0] - min(a for _, a, _ in events)) / 1e3:.1f} ms)")
+    idle, end = [], copies[0][1]
+    for a, b in copies[1:]:
+        if a > end:
+            idle.append((a - end, end, a))
+        end = max(end, b)
+    first = min(a for _, a, _ in events)
+    for gap, a, b in sorted(idle, reverse=True)[:5]:
+        during: dict[str, float] = defaultdict(float)
+        for name, x, y in events:
+            if "Memcpy" not in name and x < b and y > a:
+                during[name[:40]] += min(y, b) - max(x, a)
+        top = ", ".join(f"{n} {t / 1e3:.2f}" for n, t in sorted(during.items(), key=lambda kv: -kv[1])[:3])
+        print(f"   link idle {gap / 1e3:6.2f} ms at +{(a - first) / 1e3:.1f} ms; kernels then (ms): {top or '-'}")
+
+
 def main() -> None:
     path = sys.argv[1]
     prompt_len = int(sys.argv[2]) if len(sys.argv) > 2 else 512
     only = sys.argv[3] if len(sys.argv) > 3 else ""
     engine = load_engine(EngineConfig(
-        model=ModelConfig(path, max_context=prompt_len + 64),
+        model=ModelConfig(path, max_context=prompt_len + 64), cache=CacheConfig(profile_in=os.environ.get("PROFILE")),
         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=prompt_len)),
         routing=os.environ.get("ROUTING", "synthetic:qwen3"))
     for name, cache in CONFIGS.items():
@@ -78,18 +106,20 @@ def main() -> None:
         with profile(activities=[activity]) as prof:
             wall = prefill(engine, prompt_len, f"{name}-profiled")
         per_op: dict[str, list[float]] = defaultdict(list)
-        intervals = []
+        intervals, timeline = [], []
         for event in prof.events():
             if event.device_type.name == ("CUDA" if CUDA else "CPU"):
                 took = event.device_time if CUDA else event.cpu_time
                 per_op[event.name[:70]].append(took)
                 intervals.append((event.time_range.start, event.time_range.end))
+                timeline.append((event.name, event.time_range.start, event.time_range.end))
         total = sum(sum(v) for v in per_op.values())
         print(f"== {name}: {wall * 1e3:.1f} ms for {prompt_len} tokens ({prompt_len / wall:.0f} tok/s); "
               f"{sum(len(v) for v in per_op.values())} {'kernels' if CUDA else 'operators'}, {total / 1e3:.1f} ms in "
               f"them, busy {busy_us(intervals) / 1e3:.1f} ms")
         for op, times in sorted(per_op.items(), key=lambda kv: -sum(kv[1]))[:20]:
             print(f"{sum(times) / 1e3:9.2f} ms {len(times):6d}x  {op}")
+        link_timeline(timeline)
         host = cProfile.Profile()
         host.enable()
         wall = prefill(engine, prompt_len, f"{name}-host")
