@@ -1,8 +1,9 @@
-"""The decode kernels of the grouped expert FFN (`ops.triton.gate_up`, `ops.triton.down`) over a small grid of
-block shapes, on one layer of each of five expert shapes: Qwen3-30B-A3B in Q4_K_M's mix (Q6_K down) and in Q4_K,
-Gemma 4 26B-A4B in Q4_0 with GELU (`engine.arch.gemma4`'s math), DeepSeek-V2-Lite in Q8_0, gpt-oss-20b in MXFP4 with
-clamped SwiGLU and gate/up/down biases. At 1 and 8 tokens x top-k (each token's experts distinct and random): the
-microseconds of gate/up, of down and of the whole `grouped_expert_ffn`, and the GB/s of the expert bytes read.
+"""The decode kernels of the grouped expert FFN (`ops.triton.gate_up`, `ops.triton.down`) over a small grid of block
+shapes, on one layer of each of six expert shapes: Qwen3-30B-A3B in Q4_K_M's mix (Q6_K down) and in Q4_K, Gemma 4
+26B-A4B in Q4_0 with GELU (`engine.arch.gemma4`'s math), DeepSeek-V2-Lite in Q8_0, gpt-oss-20b in MXFP4 with clamped
+SwiGLU and gate/up/down biases, in GGUF's blocks and planar (`ops.bank.to_planar`, as a resident layer). At 1 and 8
+tokens x top-k (each token's experts distinct and random): the microseconds of gate/up, of down and of the whole
+`grouped_expert_ffn`, and the GB/s of the expert bytes read.
 
 A time is the median of `replays` replays of a CUDA graph of 20 launches (the engine replays its steps), divided
 by 20. Each launch routes to other experts than the launch before it where there are enough, so that it does not
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 from engine.arch.gemma4 import GELU  # noqa: E402
 from engine.arch.gptoss import SWIGLU_ALPHA, SWIGLU_LIMIT  # noqa: E402
 from ops import quants  # noqa: E402
-from ops.bank import ExpertWeights  # noqa: E402
+from ops.bank import ExpertWeights, to_planar  # noqa: E402
 from ops.expert_math import PLAIN, ExpertMath  # noqa: E402
 from ops.quants import QType  # noqa: E402
 from ops.triton import ExpertTables, LaunchConfig, grouped_expert_ffn, tables_from_bank  # noqa: E402
@@ -62,6 +63,7 @@ class Shape:
     types: tuple[QType, QType, QType]  # gate, up, down
     math: ExpertMath = PLAIN
     has_biases: bool = False  # random gate/up/down biases added to `math`
+    planar: bool = False  # MXFP4 as a resident bank holds it (`ops.bank.to_planar`)
 
     def __str__(self) -> str:
         types = "/".join(t.name for t in self.types)
@@ -76,6 +78,7 @@ SHAPES = (
     Shape("gemma4-26b-a4b Q4_0", 2816, 704, 128, 8, (QType.Q4_0, QType.Q4_0, QType.Q4_0), GELU),
     Shape("deepseek-v2-lite Q8_0", 2048, 1408, 64, 6, (QType.Q8_0, QType.Q8_0, QType.Q8_0)),
     Shape("gpt-oss-20b MXFP4", 2880, 2880, 32, 4, (QType.MXFP4, QType.MXFP4, QType.MXFP4), SWIGLU_OAI, True),
+    Shape("gpt-oss-20b MXFP4 planar", 2880, 2880, 32, 4, (QType.MXFP4,) * 3, SWIGLU_OAI, True, planar=True),
 )
 
 
@@ -183,9 +186,10 @@ def expert_bank(shape: Shape, generator: torch.Generator) -> ExpertWeights:
             return 0.1 * torch.randn(shape.num_experts, cols, generator=generator, device=DEVICE)
 
         math = replace(math, gate_bias=bias(shape.ff), up_bias=bias(shape.ff), down_bias=bias(shape.hidden))
-    return ExpertWeights(projection(gate_type, shape.ff, shape.hidden), projection(up_type, shape.ff, shape.hidden),
+    bank = ExpertWeights(projection(gate_type, shape.ff, shape.hidden), projection(up_type, shape.ff, shape.hidden),
                          projection(down_type, shape.hidden, shape.ff), gate_type, up_type, down_type, shape.hidden,
                          shape.ff, math)
+    return to_planar(bank) if shape.planar else bank
 
 
 def routed_experts(shape: Shape, num_tokens: int, generator: torch.Generator) -> list[torch.Tensor]:

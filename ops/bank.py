@@ -8,7 +8,7 @@ tables, the cache's plans and the benchmarks share.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -53,6 +53,7 @@ class ExpertWeights:
     hidden: int
     ff: int
     math: ExpertMath = PLAIN  # biases (indexed by the bank's rows) and activation: ops/expert_math.py
+    planar: bool = False  # its MXFP4 matrices in `to_planar`'s order (a device-resident bank), not GGUF's
 
     def __post_init__(self) -> None:
         for name in ("gate_type", "up_type", "down_type"):
@@ -82,6 +83,58 @@ class ExpertWeights:
     def expert_bytes(self) -> int:
         """Bytes of one expert (gate + up + down)."""
         return expert_bytes(self.gate_type, self.up_type, self.down_type, self.hidden, self.ff)
+
+
+# --- planar MXFP4: GGUF's 17-byte blocks (an e8m0 scale, 16 code bytes) put 16 code bytes at odd offsets, which a
+# GPU reads a byte at a time. A planar matrix holds each group of PLANAR_ROWS rows as the group's code bytes, row
+# after row (a row's codes 16-byte aligned: rows of 32-blocks have K / 2 code bytes), then the group's scale bytes,
+# row after row: the same bytes per matrix, so a planar bank has GGUF's shapes and sizes.
+PLANAR_ROWS = 16
+
+
+def to_planar(bank: ExpertWeights) -> ExpertWeights:
+    """The bank with its MXFP4 matrices planar (a new bank on the same device; the others shared), or the bank."""
+    if bank.planar or QType.MXFP4 not in (bank.gate_type, bank.up_type, bank.down_type):
+        return bank
+    gate, up, down = (_planar(t, qtype, cols, True) for t, qtype, cols in _matrices(bank))
+    return replace(bank, gate=gate, up=up, down=down, planar=True)
+
+
+def from_planar(bank: ExpertWeights) -> ExpertWeights:
+    """`to_planar`'s inverse: GGUF's blocks."""
+    if not bank.planar:
+        return bank
+    gate, up, down = (_planar(t, qtype, cols, False) for t, qtype, cols in _matrices(bank))
+    return replace(bank, gate=gate, up=up, down=down, planar=False)
+
+
+def gguf_experts(bank: ExpertWeights, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate, up and down bytes of the bank's `rows` in GGUF's blocks (a planar bank's converted back)."""
+    return tuple(_planar(t[rows], qtype, cols, False) if bank.planar else t[rows]  # type: ignore[return-value]
+                 for t, qtype, cols in _matrices(bank))
+
+
+def _matrices(bank: ExpertWeights) -> tuple[tuple[torch.Tensor, QType, int], ...]:
+    return ((bank.gate, bank.gate_type, bank.hidden), (bank.up, bank.up_type, bank.hidden),
+            (bank.down, bank.down_type, bank.ff))
+
+
+def _planar(t: torch.Tensor, qtype: QType, cols: int, forward: bool) -> torch.Tensor:
+    """Matrices `[n, rows, row bytes]` of `qtype` to planar (forward) or back; other types as they are."""
+    if qtype != QType.MXFP4:
+        return t
+    n, rows, blocks = t.shape[0], t.shape[1], cols // 32
+    if rows % PLANAR_ROWS:
+        raise ValueError(f"planar MXFP4 needs rows in groups of {PLANAR_ROWS}, got {rows}")
+    groups = rows // PLANAR_ROWS
+    if forward:
+        gguf = t.reshape(n, groups, PLANAR_ROWS, blocks, 17)
+        parts = (gguf[..., 1:].reshape(n, groups, -1), gguf[..., 0].reshape(n, groups, -1))
+        return torch.cat(parts, dim=2).reshape(t.shape)
+    flat = t.reshape(n, groups, -1)
+    codes = flat[..., :PLANAR_ROWS * blocks * 16].reshape(n, groups, PLANAR_ROWS, blocks, 16)
+    scales = flat[..., PLANAR_ROWS * blocks * 16:].reshape(n, groups, PLANAR_ROWS, blocks, 1)
+    return torch.cat((scales, codes), dim=4).reshape(t.shape)
 
 
 # byte offsets of the fp16 scale fields (d, dmin) in one block of each format

@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ops import native, quants
-from ops.bank import ExpertWeights
+from ops.bank import ExpertWeights, gguf_experts
 from ops.cache_step import Bell
 from ops.expert_math import ExpertMath
 
@@ -117,9 +117,9 @@ class NativeExperts:
             raise RuntimeError("MoeTaskStruct does not match struct moe_task in ops/csrc/cpu_experts.c")
 
     def supports(self, w: ExpertWeights) -> bool:
-        """The bank's types and its math's activation have a native kernel."""
+        """The bank's types and its math's activation have a native kernel (which reads GGUF's blocks)."""
         types = all(self._supports(int(t)) for t in (w.gate_type, w.up_type, w.down_type))
-        return types and w.math.activation in ACTIVATIONS
+        return types and w.math.activation in ACTIVATIONS and not w.planar
 
     def start_pool(self, num_threads: int | None = None, spin_us: int | None = None) -> int:
         """Size the worker pool (threads per layer, the caller included; default: one per core) and how long
@@ -357,8 +357,9 @@ def expert_ffn_tiled(
     for e, pairs in zip(experts.tolist(), torch.split(order, counts.tolist()), strict=True):
         tokens = token_ids[pairs]
         rows, bank_rows = x[tokens], torch.full_like(tokens, e)  # [n, hidden], [n]
-        gate = _tiled_matmul(rows, w.gate[e], w.gate_type, w.hidden)  # [n, ff]
-        h = w.math.hidden(gate, _tiled_matmul(rows, w.up[e], w.up_type, w.hidden), bank_rows)
-        y = w.math.output(_tiled_matmul(h, w.down[e], w.down_type, w.ff), bank_rows)
+        raw_gate, raw_up, raw_down = (t[0] for t in gguf_experts(w, slice(e, e + 1)))
+        gate = _tiled_matmul(rows, raw_gate, w.gate_type, w.hidden)  # [n, ff]
+        h = w.math.hidden(gate, _tiled_matmul(rows, raw_up, w.up_type, w.hidden), bank_rows)
+        y = w.math.output(_tiled_matmul(h, raw_down, w.down_type, w.ff), bank_rows)
         out.index_add_(0, tokens, y * weights[pairs, None])
     return out

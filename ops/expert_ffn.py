@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ops.bank import ExpertWeights
+from ops.bank import ExpertWeights, gguf_experts
 from ops.cpu_experts import expert_ffn_cpu, load_native
 from ops.quants import dequantize
 
@@ -43,9 +43,10 @@ class ExpertFFN(Protocol):
 def dequantize_expert(bank: ExpertWeights, row: int, device: torch.device,
                       dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gate `[ff, hidden]`, up `[ff, hidden]`, down `[hidden, ff]` of one bank row."""
-    return (dequantize(bank.gate[row], bank.gate_type, bank.hidden).to(device, dtype),
-            dequantize(bank.up[row], bank.up_type, bank.hidden).to(device, dtype),
-            dequantize(bank.down[row], bank.down_type, bank.ff).to(device, dtype))
+    gate, up, down = (t[0] for t in gguf_experts(bank, slice(row, row + 1)))
+    return (dequantize(gate, bank.gate_type, bank.hidden).to(device, dtype),
+            dequantize(up, bank.up_type, bank.hidden).to(device, dtype),
+            dequantize(down, bank.down_type, bank.ff).to(device, dtype))
 
 
 def bank_expert(x: torch.Tensor, bank: ExpertWeights, row: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ops import quants
-from ops.bank import ExpertWeights
+from ops.bank import ExpertWeights, gguf_experts
 from ops.quants import QType
 
 CHUNK_BYTES = 256 << 20  # dequantized weights held at once
@@ -95,13 +95,14 @@ def _chunk_ffn(rows: torch.Tensor, row_ids: torch.Tensor, offs: torch.Tensor, ba
                last: int, dtype: torch.dtype) -> torch.Tensor:
     """rows `[pairs, hidden]` of experts first..last-1 in order (row_ids: each one's), offs = their cumulative
     counts. The bank's math other than plain runs between the matrices in float32."""
-    gate = dequantize_experts(bank.gate[first:last], bank.gate_type, bank.hidden, dtype)  # [e, ff, hidden]
-    up = dequantize_experts(bank.up[first:last], bank.up_type, bank.hidden, dtype)
+    raw_gate, raw_up, raw_down = gguf_experts(bank, slice(first, last))
+    gate = dequantize_experts(raw_gate, bank.gate_type, bank.hidden, dtype)  # [e, ff, hidden]
+    up = dequantize_experts(raw_up, bank.up_type, bank.hidden, dtype)
     g, u = (torch._grouped_mm(rows, w.transpose(1, 2), offs=offs) for w in (gate, up))
     del gate, up
     math = bank.math
     h = F.silu(g) * u if math.is_plain else math.hidden(g.float(), u.float(), row_ids).to(dtype)
-    down = dequantize_experts(bank.down[first:last], bank.down_type, bank.ff, dtype)  # [e, hidden, ff]
+    down = dequantize_experts(raw_down, bank.down_type, bank.ff, dtype)  # [e, hidden, ff]
     y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
     return y if math.is_plain else math.output(y.float(), row_ids).to(dtype)
 

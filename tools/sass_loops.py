@@ -7,8 +7,9 @@ lease times it.
 BLOCKS=N sets the 32-block formats' blocks a step. Needs
 Triton's CUDA backend (not its interpreter); CPU CI checks the loops' spills with it (tests/ops/test_triton_compile.py).
 With PREFILL=1, the prefill's tensor-core GEMMs instead (`ops.triton.moe_gemm`, gate/up and down, its default tiles at
-32 pairs a tile): the same counts for their K loops.
-Usage: [BLOCKS=N] [PREFILL=1] python -m tools.sass_loops [FORMAT ...]  (default: every kernel format)"""
+32 pairs a tile): the same counts for their K loops. With PLANAR=1, MXFP4 as a resident bank holds it
+(`ops.bank.to_planar`).
+Usage: [BLOCKS=N] [PREFILL=1] [PLANAR=1] python -m tools.sass_loops [FORMAT ...]  (default: every kernel format)"""
 
 import collections
 import os
@@ -29,7 +30,7 @@ from ops.quants import QType
 from ops.triton import moe_gemm
 from ops.triton.down import _down_kernel
 from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel, default_blocks, warps_for
-from ops.triton.qdot import KERNEL_TYPES, step_blocks, steps_super_blocks
+from ops.triton.qdot import KERNEL_TYPES, kernel_format, step_blocks, steps_super_blocks
 
 NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 ROWS, DOWN_ROWS = 16, 32
@@ -103,15 +104,16 @@ def launch_values(qtype: QType, top_k: int = 8) -> dict[str, int]:
                 gate_row=gate_row, up_row=gate_row, down_row=down_row)
 
 
-def kernels(qtype: QType) -> list[tuple[str, str, int]]:
-    """(kernel, its SASS, the weights a thread reads a step)."""
+def kernels(qtype: QType, planar: bool = False) -> list[tuple[str, str, int]]:
+    """(kernel, its SASS, the weights a thread reads a step); planar: MXFP4 as a resident bank holds it."""
     hidden, ff, activation = SHAPES[qtype]
     values = launch_values(qtype)
-    common = dict(WINDOW=64, FILL=True, SPREAD=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1)
-    gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), DOWN_FMT=int(qtype), HIDDEN=hidden, BR=ROWS, GROUP=16,
-                   ACT=ACTIVATIONS[activation], BLOCKS=gate_up_blocks(qtype), **common)
+    common = dict(WINDOW=64, SPREAD=True, COPY=1024, BIAS=activation == "swiglu_oai", BT=1)
+    fmt = kernel_format(qtype, planar)
+    gate_up = dict(GATE_FMT=fmt, UP_FMT=fmt, DOWN_FMT=int(qtype), HIDDEN=hidden, BR=ROWS, GROUP=16,
+                   ACT=ACTIVATIONS[activation], BLOCKS=gate_up_blocks(qtype), FILL=not planar, **common)
     down_blocks = step_blocks(ff, BLOCKS, qtype)
-    down = dict(DOWN_FMT=int(qtype), FF=ff, BR=DOWN_ROWS, BLOCKS=down_blocks, **common)
+    down = dict(DOWN_FMT=fmt, FF=ff, BR=DOWN_ROWS, BLOCKS=down_blocks, FILL=not planar, **common)
     up_warps, down_warps = warps_for(ROWS, qtype), warps_for(DOWN_ROWS)
     return [("gate/up", compile_sass(_gate_up_kernel, gate_up, up_warps, values),
              ROWS * step_weights(qtype, gate_up_blocks(qtype)) * 2 // (32 * up_warps)),
@@ -119,17 +121,18 @@ def kernels(qtype: QType) -> list[tuple[str, str, int]]:
              DOWN_ROWS * step_weights(qtype, down_blocks) // (32 * down_warps))]
 
 
-def prefill_kernels(qtype: QType) -> list[tuple[str, str, int]]:
+def prefill_kernels(qtype: QType, planar: bool = False) -> list[tuple[str, str, int]]:
     """`kernels` for the prefill's GEMMs (`ops.triton.moe_gemm`, its default tiles, 32 pairs a tile)."""
     _, _, activation = SHAPES[qtype]
     config, biases = moe_gemm.MoeGemmConfig(), activation == "swiglu_oai"
     hidden, ff, _ = SHAPES[qtype]
     up_super, down_super = moe_gemm.whole_super_blocks(qtype, hidden), moe_gemm.whole_super_blocks(qtype, ff)
     tiles = dict(BM=32, BN=config.block_n, E_POW2=128, INTERPRET=False)
-    gate_up = dict(GATE_FMT=int(qtype), UP_FMT=int(qtype), ACT=ACTIVATIONS[activation], GATE_BIAS=biases,
+    fmt = kernel_format(qtype, planar)
+    gate_up = dict(GATE_FMT=fmt, UP_FMT=fmt, ACT=ACTIVATIONS[activation], GATE_BIAS=biases,
                    UP_BIAS=biases, SUPER=up_super,
                    BK=32 if up_super else config.block_k, **tiles)
-    down = dict(BIAS=biases, DOWN_FMT=int(qtype), SUPER=down_super,
+    down = dict(BIAS=biases, DOWN_FMT=fmt, SUPER=down_super,
                 BK=32 if down_super else config.block_k, **tiles)
 
     def weights(whole: bool) -> int:  # a thread reads a step: a super-block's 256 columns, or block_k
@@ -182,11 +185,11 @@ class Loop:
                 f"{dict(self.kinds.most_common(8))}")
 
 
-def weight_loops(qtype: QType, prefill: bool = False) -> list[Loop]:
+def weight_loops(qtype: QType, prefill: bool = False, planar: bool = False) -> list[Loop]:
     """The format's gate/up and down loops that read the weights (the innermost loop with the most global loads), of
-    the decode kernels or (`prefill`) the prefill's GEMMs."""
+    the decode kernels or (`prefill`) the prefill's GEMMs; `planar`: MXFP4 as `ops.bank.to_planar` holds it."""
     found = []
-    for name, text, per_thread in (prefill_kernels if prefill else kernels)(qtype):
+    for name, text, per_thread in (prefill_kernels if prefill else kernels)(qtype, planar):
         loop = max(loops(text), key=lambda s: sum(n.startswith("LDG") for n in s))
         found.append(Loop(qtype, name, len(loop), per_thread, collections.Counter(n.split(".")[0] for n in loop)))
     return found
@@ -194,7 +197,7 @@ def weight_loops(qtype: QType, prefill: bool = False) -> list[Loop]:
 
 def main() -> None:
     for qtype in [QType.__members__[n] for n in sys.argv[1:]] or KERNEL_TYPES:
-        for loop in weight_loops(qtype, os.environ.get("PREFILL") == "1"):
+        for loop in weight_loops(qtype, os.environ.get("PREFILL") == "1", os.environ.get("PLANAR") == "1"):
             print(loop)
 
 

@@ -10,7 +10,7 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vector
 from ops.triton.gate_up import bias_rows, warps_for
 from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_for
-from ops.triton.qdot import GROUP, MAGIC, has_kernel, rows_dot, step_blocks
+from ops.triton.qdot import GROUP, MAGIC, check_planar, has_kernel, kernel_format, rows_dot, step_blocks
 from ops.triton.stage import COPY_BLOCK, Fill, fill_rows
 from ops.triton.tables import ExpertTables
 
@@ -87,6 +87,7 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
     blocks a step (`qdot.step_blocks`, 0: its default); spread: an expert's pairs over programs (`pairs`)."""
     if not has_kernel(tables.down_type):
         raise ValueError(f"no down kernel for {tables.down_type.name}")
+    check_planar(tables)
     num_pairs, device = expert_ids.shape[0], tables.device
     check_rows("h", h, (num_pairs, tables.ff), (torch.float32,), device)
     if h.stride(0) % 4 or h.data_ptr() % 16:
@@ -110,7 +111,7 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
         tables.gate_ptrs, tables.up_ptrs, tables.down_ptrs, tables.num_experts, tables.down_row_bytes,
         y, y.stride(0), tables.hidden, MAGIC,
         fill.flags if fill is not None else expert_ids, (fill.host if fill is not None else tables).down_ptrs, biases,
-        DOWN_FMT=int(tables.down_type), FF=tables.ff,
+        DOWN_FMT=kernel_format(tables.down_type, tables.planar), FF=tables.ff,
         BT=block_tokens, BR=block_rows, WINDOW=window_for(num_pairs, block_tokens, spread, fill is not None),
         FILL=fill is not None, SPREAD=spread, COPY=COPY_BLOCK, BIAS=down_bias is not None,
         BLOCKS=step_blocks(tables.ff, blocks, tables.down_type),

@@ -145,7 +145,7 @@ def tables_from_bank(bank: ExpertWeights, device: torch.device) -> ExpertTables:
                              f"{tuple(t.shape)}")
         ptrs[name] = _row_pointers(name, t, device)
     return ExpertTables(ptrs["gate"], ptrs["up"], ptrs["down"], bank.gate_type, bank.up_type, bank.down_type,
-                        bank.hidden, bank.ff, bank.math.to(device))
+                        bank.hidden, bank.ff, bank.math.to(device), bank.planar)
 
 
 def expert_ffn_triton(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,

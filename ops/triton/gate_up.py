@@ -11,7 +11,18 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 from ops.quants import QType
 from ops.triton.checks import INDEX_DTYPES, check_rows, check_vector
 from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_for
-from ops.triton.qdot import GROUP, MAGIC, has_kernel, read_place, reads_int8, rows_dot, step_blocks, steps_super_blocks
+from ops.triton.qdot import (
+    GROUP,
+    MAGIC,
+    check_planar,
+    has_kernel,
+    kernel_format,
+    read_place,
+    reads_int8,
+    rows_dot,
+    step_blocks,
+    steps_super_blocks,
+)
 from ops.triton.stage import COPY_BLOCK, Fill, fill_rows2
 from ops.triton.tables import ExpertTables
 
@@ -162,6 +173,7 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
     (`ops.triton.stage`)."""
     if not (has_kernel(tables.gate_type) and has_kernel(tables.up_type)):
         raise ValueError(f"no gate/up kernel for {tables.gate_type.name}/{tables.up_type.name}")
+    check_planar(tables)
     num_pairs, num_tokens, device = expert_ids.shape[0], x_gate.shape[0], tables.device
     for name, t in (("x_gate", x_gate), ("x_up", x_up)):
         check_rows(name, t, (num_tokens, tables.hidden), (torch.float32,), device)
@@ -197,7 +209,8 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
         tables.gate_row_bytes, tables.up_row_bytes, h, h.stride(0), h_sums, h_sums.stride(0), tables.ff, MAGIC,
         fill.flags if fill is not None else expert_ids, source.gate_ptrs, source.up_ptrs, gate_biases, up_biases,
         math.alpha, math.limit,
-        GATE_FMT=int(tables.gate_type), UP_FMT=int(tables.up_type), DOWN_FMT=down_order, HIDDEN=tables.hidden,
+        GATE_FMT=kernel_format(tables.gate_type, tables.planar), UP_FMT=kernel_format(tables.up_type, tables.planar),
+        DOWN_FMT=down_order, HIDDEN=tables.hidden,
         BT=bt, BR=block_rows, WINDOW=window_for(num_pairs, bt, spread, fill is not None), GROUP=GROUP,
         FILL=fill is not None, SPREAD=spread, COPY=COPY_BLOCK, ACT=ACTIVATIONS[math.activation], BIAS=biases,
         BLOCKS=step_blocks(tables.hidden, blocks or default_blocks(tables.gate_type, num_tokens), tables.gate_type),

@@ -42,7 +42,20 @@ from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_ro
 from ops.triton.dequant import _byte, _f16_at, _float, _scale_min_k4
 from ops.triton.experts import tables_from_bank
 from ops.triton.gate_up import ACTIVATIONS, _activation
-from ops.triton.qdot import KERNEL_TYPES, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _e2m1, _e8m0_scale, has_kernel
+from ops.triton.qdot import (
+    KERNEL_TYPES,
+    MXFP4,
+    MXFP4_PLANAR,
+    Q4_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    _e2m1,
+    _e8m0_scale,
+    has_kernel,
+    kernel_format,
+)
 from ops.triton.tables import ExpertTables
 
 GROUP = 16  # weights sharing one scale, in every format of KERNEL_TYPES
@@ -132,8 +145,29 @@ def _mxfp4(base, rows, g, c):
 
 
 @triton.jit
-def _weight_tile(base, rows, k, BN: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Weights [k, k + BK) of the rows -> bf16 `[BN, BK]`."""
+def _mxfp4_planar(base, codes, scales, g, c):
+    """Planar MXFP4 (`ops.bank.to_planar`; codes, scales: the rows' byte offsets of their codes and scales): weight
+    16h + c of block b is nibble h of code byte 16b + c."""
+    q = _byte(base + (codes + 16 * (g // 2) + c)) >> 4 * (g % 2)
+    return _e2m1(q, 0) * _e8m0_scale(_byte(base + (scales + g // 2)))
+
+
+@triton.jit
+def _row_offsets(n, row_bytes, cols, FMT: tl.constexpr):
+    """Rows n's byte offsets `[BN, 1, 1]` where `_weight_tile` reads them: their first bytes, and for planar MXFP4
+    (`ops.bank.to_planar`) their codes' and their scales'."""
+    if FMT == MXFP4_PLANAR:
+        group = (n // 16) * (16 * row_bytes)
+        codes, scales = group + (n % 16) * (cols // 2), group + 16 * (cols // 2) + (n % 16) * (cols // 32)
+    else:
+        codes, scales = n * row_bytes, n * row_bytes
+    return codes[:, None, None], scales[:, None, None]
+
+
+@triton.jit
+def _weight_tile(base, rows, scales, k, BN: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """Weights [k, k + BK) of the rows -> bf16 `[BN, BK]` (rows, scales: `_row_offsets`)."""
     g = k // 16 + tl.arange(0, BK // 16)[None, :, None]
     c = tl.arange(0, 16)[None, None, :]
     if FMT == Q4_K or FMT == Q5_K:
@@ -144,6 +178,8 @@ def _weight_tile(base, rows, k, BN: tl.constexpr, BK: tl.constexpr, FMT: tl.cons
         w = _q8_0(base, rows, g, c)
     elif FMT == MXFP4:
         w = _mxfp4(base, rows, g, c)
+    elif FMT == MXFP4_PLANAR:
+        w = _mxfp4_planar(base, rows, scales, g, c)
     else:
         tl.static_assert(FMT == Q4_0, "moe_gemm: no tile kernel for this format")
         w = _q4_0(base, rows, g, c)
@@ -269,8 +305,9 @@ def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts,
     a_ptrs = x + tokens.to(tl.int64)[:, None] * x_stride + tl.arange(0, BK)[None, :]
     n = tl.program_id(0) * BN + tl.arange(0, BN)  # rows of gate and up
     e = expert.to(tl.int64)
-    g_base, g_rows = _expert_base(gate_ptrs, e), (n * gate_row)[:, None, None]
-    u_base, u_rows = _expert_base(up_ptrs, e), (n * up_row)[:, None, None]
+    g_base, u_base = _expert_base(gate_ptrs, e), _expert_base(up_ptrs, e)
+    g_rows, g_scales = _row_offsets(n, gate_row, hidden, GATE_FMT)
+    u_rows, u_scales = _row_offsets(n, up_row, hidden, UP_FMT)
     if SUPER:  # the weights as the left operand: accumulators `[BN, BM]`
         acc_gt = tl.zeros([BN, BM], dtype=tl.float32)
         acc_ut = tl.zeros([BN, BM], dtype=tl.float32)
@@ -284,8 +321,8 @@ def _gate_up_kernel(x, x_stride, token_ids, order, ends, tile_ends, num_experts,
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k in range(0, hidden, BK):
             a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0).to(tl.bfloat16)
-            acc_g = _mma(a, _weight_tile(g_base, g_rows, k, BN, BK, GATE_FMT, INTERPRET), acc_g, INTERPRET)
-            acc_u = _mma(a, _weight_tile(u_base, u_rows, k, BN, BK, UP_FMT, INTERPRET), acc_u, INTERPRET)
+            acc_g = _mma(a, _weight_tile(g_base, g_rows, g_scales, k, BN, BK, GATE_FMT, INTERPRET), acc_g, INTERPRET)
+            acc_u = _mma(a, _weight_tile(u_base, u_rows, u_scales, k, BN, BK, UP_FMT, INTERPRET), acc_u, INTERPRET)
     if GATE_BIAS:
         acc_g += tl.load(gate_bias + e * ff + n)[None, :]
     if UP_BIAS:
@@ -306,7 +343,8 @@ def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down_ptrs, dow
     a_ptrs = h + rows.to(tl.int64)[:, None] * ff + tl.arange(0, BK)[None, :]
     n = tl.program_id(0) * BN + tl.arange(0, BN)  # rows of down: output columns
     e = expert.to(tl.int64)
-    d_base, d_rows = _expert_base(down_ptrs, e), (n * down_row)[:, None, None]
+    d_base = _expert_base(down_ptrs, e)
+    d_rows, d_scales = _row_offsets(n, down_row, ff, DOWN_FMT)
     if SUPER:
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
         for kb in range(0, ff // 256):
@@ -316,7 +354,7 @@ def _down_kernel(h, order, weights, ends, tile_ends, num_experts, down_ptrs, dow
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k in range(0, ff, BK):
             a = tl.load(a_ptrs + k, mask=rmask[:, None], other=0.0)
-            acc = _mma(a, _weight_tile(d_base, d_rows, k, BN, BK, DOWN_FMT, INTERPRET), acc, INTERPRET)
+            acc = _mma(a, _weight_tile(d_base, d_rows, d_scales, k, BN, BK, DOWN_FMT, INTERPRET), acc, INTERPRET)
     if BIAS:
         acc += tl.load(down_bias + e * hidden + n)[None, :]
     pairs = tl.load(order + rows, mask=rmask, other=0)
@@ -399,7 +437,8 @@ def _launch_gate_up(x: torch.Tensor, token_ids: torch.Tensor, order: torch.Tenso
     _gate_up_kernel[(t.ff // block_n, grid_tiles)](
         x, x.stride(0), token_ids, order, ends, tile_ends, t.num_experts, t.gate_ptrs, t.gate_row_bytes,
         t.up_ptrs, t.up_row_bytes, biases[0], biases[1],
-        math.alpha, math.limit, h, t.hidden, t.ff, GATE_FMT=int(t.gate_type), UP_FMT=int(t.up_type),
+        math.alpha, math.limit, h, t.hidden, t.ff, GATE_FMT=kernel_format(t.gate_type, t.planar),
+        UP_FMT=kernel_format(t.up_type, t.planar),
         ACT=ACTIVATIONS[math.activation], GATE_BIAS=math.gate_bias is not None,
         UP_BIAS=math.up_bias is not None, SUPER=whole, BM=block_m, BN=block_n,
         BK=block_k,
@@ -415,7 +454,7 @@ def _launch_down(h: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, en
     block_n, block_k = _fit(config.block_n, t.hidden), 32 if whole else _fit(config.block_k, t.ff)
     _down_kernel[(t.hidden // block_n, grid_tiles)](
         h, order, weights, ends, tile_ends, t.num_experts, t.down_ptrs, t.down_row_bytes,
-        bias, y, t.hidden, t.ff, BIAS=t.math.down_bias is not None, DOWN_FMT=int(t.down_type),
+        bias, y, t.hidden, t.ff, BIAS=t.math.down_bias is not None, DOWN_FMT=kernel_format(t.down_type, t.planar),
         SUPER=whole, BM=block_m, BN=block_n, BK=block_k,
         E_POW2=triton.next_power_of_2(t.num_experts),
         INTERPRET=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages)

@@ -24,10 +24,14 @@ about 4 instructions a weight.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from gguf import GGMLQuantizationType
+
+if TYPE_CHECKING:
+    from ops.triton.tables import ExpertTables
 
 QType = GGMLQuantizationType
 
@@ -37,6 +41,8 @@ Q6_K = tl.constexpr(int(QType.Q6_K))
 Q8_0 = tl.constexpr(int(QType.Q8_0))
 Q4_0 = tl.constexpr(int(QType.Q4_0))
 MXFP4 = tl.constexpr(int(QType.MXFP4))
+PLANAR_MXFP4 = 1000 + int(QType.MXFP4)  # the kernels' code of MXFP4 in `ops.bank.to_planar`'s order
+MXFP4_PLANAR = tl.constexpr(PLANAR_MXFP4)
 KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)
 GROUP = 16  # activation sums are kept per 16 columns (the smallest sub-block, Q6_K's)
 MAGIC = 0x4B000000  # float32 bits of 2**23, passed to the kernels at run time (see _code_times)
@@ -67,6 +73,17 @@ EMULATE_DP4A = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 def has_kernel(qtype: QType) -> bool:
     return qtype in KERNEL_TYPES
+
+
+def check_planar(tables: ExpertTables) -> None:
+    """Planar MXFP4 is read on float activations only (its kernel has no int8 form)."""
+    if tables.planar and reads_int8(QType.MXFP4):
+        raise ValueError("planar MXFP4 experts need float activations: take MXFP4 out of MOECACHE_INT8_EXPERTS")
+
+
+def kernel_format(qtype: QType, planar: bool) -> int:
+    """The kernels' FMT of a matrix of `qtype` in a bank that is `planar` or not."""
+    return PLANAR_MXFP4 if planar and qtype == QType.MXFP4 else int(qtype)
 
 
 def reads_int8(qtype: QType | None) -> bool:
@@ -785,6 +802,43 @@ def _mxfp4_rows(wa, wb, x0, x1, x2, x3, K: tl.constexpr, BT: tl.constexpr, TWO: 
     return _total(a0), _total(a1), _total(a2), _total(a3), _total(b0), _total(b1), _total(b2), _total(b3)
 
 
+@triton.jit
+def _planar_rows(addr, rows, row_bytes, K: tl.constexpr):
+    """Rows of a planar MXFP4 matrix at byte address addr (`ops.bank.to_planar`: groups of 16 rows, their codes,
+    K / 2 bytes a row, then their scales, K / 32 bytes a row): each row's code bytes, 16-byte aligned, and its
+    scale bytes `[BR]`."""
+    group = addr.to(tl.pointer_type(tl.uint8)) + (rows // 16) * (16 * row_bytes)
+    codes = tl.multiple_of(group + (rows % 16) * (K // 2), 16)
+    return codes, group + 16 * (K // 2) + (rows % 16) * (K // 32)
+
+
+@triton.jit
+def _mxfp4_planar_rows(ca, sa, cb, sb, x0, x1, x2, x3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
+                       NB: tl.constexpr):
+    """Planar MXFP4 rows (`_planar_rows`' code and scale pointers ca, sa and cb, sb): a block's 16 code bytes in
+    one vector load, its scale byte once; the arithmetic of `_mxfp4_rows`."""
+    j = tl.max_contiguous(tl.arange(0, 16), 16)[None, None, :]
+    zero = tl.zeros([ca.shape[0], NB, 16], tl.float32)
+    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
+    for g in range((K // 32 + NB - 1) // NB):
+        c, valid = _blocks(g, K // 32, NB)
+        blocks = tl.minimum(NB * g + tl.arange(0, NB), K // 32 - 1)[None, :]
+        qa = tl.load(ca[:, None, None] + 16 * c + j).to(tl.int32)
+        da = tl.expand_dims(_e8m0_scale(tl.load(sa[:, None] + blocks).to(tl.int32)), 2)
+        qb, db = qa, da
+        if TWO:
+            qb = tl.load(cb[:, None, None] + 16 * c + j).to(tl.int32)
+            db = tl.expand_dims(_e8m0_scale(tl.load(sb[:, None] + blocks).to(tl.int32)), 2)
+        if K // 32 % NB:  # the last step's blocks past the row: their scales 0, so they add nothing
+            da, db = tl.where(valid, da, 0.0), tl.where(valid, db, 0.0)
+        for n in tl.static_range(2):
+            v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * n + j, BT)
+            a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, _e2m1(qa, 4 * n) * da, v0, v1, v2, v3, BT)
+            if TWO:
+                b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, _e2m1(qb, 4 * n) * db, v0, v1, v2, v3, BT)
+    return _total(a0), _total(a1), _total(a2), _total(a3), _total(b0), _total(b1), _total(b2), _total(b3)
+
+
 # --- one row block of any format --------------------------------------------------------------------
 
 
@@ -795,6 +849,7 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     addr_b (int64, 16-byte aligned, rows of row_bytes, format FMT, K columns) with activation rows
     x0..x3 (pointers to rows prepared for FMT; BT slots used) and their sums per 16 columns s0..s3
     (pointers); magic = 0x4B000000. Nothing is masked: callers clamp rows and point empty slots at a valid row.
+    FMT: `kernel_format`'s (MXFP4_PLANAR: MXFP4 in `ops.bank.to_planar`'s order, on float activations).
     BLOCKS (Q8_0, Q4_0, MXFP4; Q4_K reads BLOCKS / 8 super-blocks a step, at least one; Q5_K and Q6_K one): blocks
     of 32 a step, a power of two (`step_blocks`); a row that BLOCKS does not divide ends in a step whose blocks past
     the row are read and weighted 0. x0..x3 of an `INT8_TYPES` format are rows in `prepare.prepare_block`'s planes.
@@ -811,6 +866,10 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         out = _q6k_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO)
+    elif FMT == MXFP4_PLANAR:
+        ca, sa = _planar_rows(addr_a, rows, row_bytes, K)
+        cb, sb = _planar_rows(addr_b, rows, row_bytes, K)
+        out = _mxfp4_planar_rows(ca, sa, cb, sb, x0, x1, x2, x3, K, BT, TWO, BLOCKS)
     elif FMT == MXFP4:
         wa = addr_a.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes

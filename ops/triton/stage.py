@@ -44,6 +44,8 @@ class Fill:
                 (self.host.gate_type, self.host.up_type, self.host.down_type, self.host.hidden, self.host.ff) != \
                 (tables.gate_type, tables.up_type, tables.down_type, tables.hidden, tables.ff):
             raise ValueError("fill: the host tables describe other experts than the tables read")
+        if tables.planar or self.host.planar:
+            raise ValueError("fill: planar experts are resident, never copied a row range at a time")
 
 
 @triton.jit

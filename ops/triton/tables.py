@@ -33,6 +33,7 @@ class ExpertTables:
     hidden: int
     ff: int
     math: ExpertMath = PLAIN  # biases indexed like the pointers (expert ids), on the tables' device
+    planar: bool = False  # MXFP4 matrices in `ops.bank.to_planar`'s order (a resident bank's)
 
     def __post_init__(self) -> None:
         for name in ("gate_type", "up_type", "down_type"):

@@ -449,6 +449,31 @@ def test_gemma4_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], ca
         assert rel_error(gpu, cpu) < bound
 
 
+@pytest.mark.parametrize("cache", [dict(), dict(cpu_moe=True, budget_mib=1, miss_mode="stream")],
+                         ids=["resident", "stream"])
+def test_gpt_oss_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], cache: dict) -> None:
+    """gpt-oss-tiny in float32 on the device gives the CPU's logits over 24 teacher-forced steps: its resident MXFP4
+    experts planar (`ops.bank.to_planar`, read by the decode kernels and the prompt's GEMMs), or in GGUF's blocks
+    behind the cache (slots and staged layers)."""
+    path = preset_gguf("gpt-oss-tiny")
+    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301],
+               [2, *range(100, 135)]]
+    logits = {}
+    for device in ("cuda", "cpu"):
+        cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
+                           cache=CacheConfig(**cache) if device == "cuda" else CacheConfig(),  # type: ignore[arg-type]
+                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+        engine = LLMEngine(cfg)
+        planar = [bank.planar for bank in engine.cache.dispatcher.resident.values()]
+        if device == "cpu":
+            assert planar and not any(planar)  # every layer resident, read in place from the map
+        else:
+            assert planar == ([] if cache else [True] * 4)  # its four MoE layers resident, or none
+        logits[device] = teacher_forced_logits(engine, prompts, 24)  # past the 16-position window
+    for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
+        assert rel_error(gpu, cpu) < 1e-3
+
+
 def test_deepseek2_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path]) -> None:
     """deepseek2-tiny on the device (captured decode steps: MLA's query and latent entry in one launch, its output
     decompressed in one, `ops.triton.mla`, its attention over the latent cache in the split-K kernel) gives the CPU's

@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from ops import quants
-from ops.bank import ExpertWeights, expert_bytes, random_expert_weights, row_bytes, split_gate_up
+from ops.bank import (
+    ExpertWeights,
+    expert_bytes,
+    from_planar,
+    random_expert_weights,
+    row_bytes,
+    split_gate_up,
+    to_planar,
+)
+from ops.cpu_experts import expert_ffn_tiled
 from ops.expert_ffn import expert_ffn, expert_ffn_reference, native_supports
 from ops.grouped_gemm import expert_ffn_grouped_gemm
 from ops.quants import QType
@@ -61,3 +70,41 @@ def test_merged_gate_up_experts_are_views_that_every_path_reads() -> None:
         assert torch.allclose(ffn(x, tokens, rows, weights, views), ffn(x, tokens, rows, weights, w), atol=1e-6)
     with pytest.raises(ValueError, match="each expert contiguous"):
         replace(w, gate=merged[:, ::2])
+
+
+def test_planar_mxfp4_puts_each_rows_codes_on_16_bytes_and_comes_back() -> None:
+    """`to_planar`: a group of 16 rows holds the rows' code bytes, row after row, then their e8m0 scales; the other
+    formats' matrices are shared as they are; `from_planar` gives GGUF's bytes back."""
+    hidden, ff = 224, 160  # rows of 7 and 5 blocks
+    bank = random_expert_weights(3, hidden, ff, QType.MXFP4, QType.Q4_0, QType.MXFP4, seed=5)
+    planar = to_planar(bank)
+    assert planar.planar and not bank.planar and planar.up is bank.up and to_planar(planar) is planar
+    assert planar.gate.shape == bank.gate.shape and not torch.equal(planar.gate, bank.gate)
+    for got, raw, cols in ((planar.gate[2], bank.gate[2], hidden), (planar.down[1], bank.down[1], ff)):
+        blocks, row = cols // 32, cols // 32 * 17
+        for r in (0, 5, 16, 17, raw.shape[0] - 1):
+            group, i = got.flatten()[r // 16 * 16 * row:], r % 16
+            gguf = raw[r].view(blocks, 17)
+            assert torch.equal(group[i * blocks * 16:(i + 1) * blocks * 16], gguf[:, 1:].flatten())
+            scales = group[16 * blocks * 16 + i * blocks:]
+            assert torch.equal(scales[:blocks], gguf[:, 0])
+    back = from_planar(planar)
+    assert not back.planar and all(torch.equal(a, b) for a, b in zip((back.gate, back.up, back.down),
+                                                                       (bank.gate, bank.up, bank.down)))
+    assert to_planar(random_expert_weights(1, hidden, ff, QType.Q4_0, seed=1)).planar is False
+
+
+def test_the_torch_paths_read_a_planar_bank_as_its_gguf_bytes() -> None:
+    """The reference and the CPU's torch tiles compute a planar bank's experts as the GGUF bank's (a resident bank
+    read where no planar kernel runs)."""
+    bank = random_expert_weights(4, 256, 192, QType.MXFP4, seed=7)
+    planar = to_planar(bank)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 256, generator=generator)
+    token_ids, rows = torch.arange(5).repeat_interleave(2), torch.tensor([0, 3, 1, 3, 2, 0, 3, 1, 2, 2])
+    weights = torch.rand(10, generator=generator)
+    want = expert_ffn_reference(x, token_ids, rows, weights, bank)
+    assert torch.equal(expert_ffn_reference(x, token_ids, rows, weights, planar), want)
+    assert not native_supports(planar)
+    torch.testing.assert_close(expert_ffn_tiled(x, token_ids, rows, weights, planar),
+                               expert_ffn_tiled(x, token_ids, rows, weights, bank), rtol=0, atol=0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ops import quants
-from ops.bank import ExpertWeights
+from ops.bank import ExpertWeights, to_planar
 from ops.cpu_experts import QType
 from ops.expert_ffn import expert_ffn_reference
 from ops.expert_math import ExpertMath
@@ -47,6 +47,7 @@ class Case:
     activation: str = "silu"
     biases: bool = False
     config: MoeGemmConfig = MoeGemmConfig(block_m=16)
+    planar: bool = False  # the bank's MXFP4 matrices in `ops.bank.to_planar`'s order (a resident bank's)
 
 
 def random_bank(case: Case, generator: torch.Generator) -> ExpertWeights:
@@ -96,7 +97,8 @@ def inputs(case: Case, device: torch.device, seed: int) -> tuple[torch.Tensor, t
     bank = on_device(random_bank(case, generator), device)
     pairs = tuple(t.to(device) for t in random_routing(case, generator))
     x = torch.randn(case.num_tokens, case.hidden, generator=generator).bfloat16().to(device)
-    return x, pairs, bank, expert_ffn_reference(x, *pairs, bank)
+    ref = expert_ffn_reference(x, *pairs, bank)  # GGUF's blocks
+    return x, pairs, to_planar(bank) if case.planar else bank, ref
 
 
 def run_case(case: Case, device: torch.device, seed: int) -> float:
@@ -210,6 +212,14 @@ def test_qwen3_layer_matches_reference(types: Types) -> None:
 
 
 @pytest.mark.gpu
+def test_gpt_oss_layer_of_planar_mxfp4_matches_reference() -> None:
+    """A resident gpt-oss-20b layer (32 experts of 2880 x 2880, top-4, biases, the clamped SwiGLU) in
+    `ops.bank.to_planar`'s order, a 512-token prompt."""
+    run_case(Case((QType.MXFP4,) * 3, num_tokens=512, hidden=2880, ff=2880, num_experts=32, top_k=4,
+                  activation="swiglu_oai", biases=True, config=MoeGemmConfig(), planar=True), CUDA, seed())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 def test_tile_sizes(block_m: int) -> None:
     qwen3 = QWEN3 | {"config": MoeGemmConfig(block_m=block_m)}
@@ -282,10 +292,16 @@ INTERPRETER_CASES = [
     # gpt-oss's experts: MXFP4 with the clamped SwiGLU and biases; a block over two K steps
     Case((QType.MXFP4,) * 3, num_tokens=10, top_k=2, activation="swiglu_oai", biases=True,
          config=MoeGemmConfig(block_m=16, block_n=256, block_k=16)),
+    # a resident bank's planar MXFP4: several groups of 16 rows a tile and tiles of one group; beside other formats
+    Case((QType.MXFP4,) * 3, num_tokens=10, hidden=224, ff=160, top_k=2, activation="swiglu_oai", biases=True,
+         config=MoeGemmConfig(block_m=16, block_n=32, block_k=32), planar=True),
+    Case((QType.Q4_0, QType.MXFP4, QType.Q8_0), num_tokens=7, top_k=3, config=MoeGemmConfig(block_m=16, block_n=16),
+         planar=True),
 ]
 CPU = torch.device("cpu")
 INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens} top_k={c.top_k} {c.activation}"
-                       f"{' biases' if c.biases else ''}", lambda seed, c=c: run_case(c, CPU, seed))
+                       f"{' biases' if c.biases else ''}{' planar' if c.planar else ''}",
+                       lambda seed, c=c: run_case(c, CPU, seed))
                       for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("deterministic, all skipped",
                            lambda seed: check_deterministic_and_empty(INTERPRETER_CASES[5], CPU, seed)))

@@ -28,7 +28,7 @@ from ops.triton.gate_up import ACTIVATIONS, _gate_up_kernel  # noqa: E402
 from ops.triton.mla import OUT_ROWS, QK_ROWS, _mla_out_kernel, _mla_qk_kernel  # noqa: E402
 from ops.triton.prepare import _prepare_kernel  # noqa: E402
 from ops.triton.qdot import KERNEL_TYPES, step_blocks  # noqa: E402
-from tools.sass_loops import NVDISASM, PREFILL_TYPES, compile_sass, compile_sm90, weight_loops  # noqa: E402
+from tools.sass_loops import NVDISASM, PREFILL_TYPES, compile_sass, compile_sm90, kernels, loops, weight_loops  # noqa: E402
 
 
 def compile_for_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 2) -> None:
@@ -211,6 +211,24 @@ def test_the_decode_loops_do_not_spill_more_than_they_do(qtype: QType) -> None:
     for loop in weight_loops(qtype):
         assert loop.local_loads <= SPILLS.get((qtype, loop.kernel), 0), str(loop)
         assert loop.weights > 0 and loop.kinds["LDG"] > 0, str(loop)
+
+
+@needs_backend
+def test_planar_mxfp4_is_read_in_vectors() -> None:
+    """A resident bank's planar MXFP4 (`ops.bank.to_planar`): the decode loops read a block's 16 code bytes in one
+    load and its scale byte once (GGUF's 17-byte blocks: a load a code byte, 32 a step of gate/up), spilling
+    nothing; the prefill GEMMs compile for it."""
+    if not os.path.exists(NVDISASM):
+        pytest.skip(f"no nvdisasm beside Triton's ptxas ({NVDISASM})")
+    for planar in (False, True):
+        for name, text, _ in kernels(QType.MXFP4, planar):
+            loop = max(loops(text), key=lambda s: sum(n.startswith("LDG") for n in s))
+            loads = collections.Counter(n for n in loop if n.startswith("LDG"))
+            if planar:
+                assert loads["LDG.E.128"] > 0 and loads["LDG.E.U8"] <= 2 and "LDL" not in loop, (name, loads)
+            else:
+                assert loads["LDG.E.U8"] >= 16, (name, loads)  # what the check above is against
+    assert all(loop.local_loads == 0 for loop in weight_loops(QType.MXFP4, prefill=True, planar=True))
 
 
 @needs_backend

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ops import quants
-from ops.bank import ExpertWeights
+from ops.bank import ExpertWeights, to_planar
 from ops.cpu_experts import QType
 from ops.expert_ffn import expert_ffn_reference
 from ops.expert_math import ExpertMath
@@ -77,6 +77,7 @@ class Case:
     biases: bool = False
     blocks: int = 0  # blocks of 32 a step of the 32-block formats (0: by the row)
     spread: bool = True  # an expert's passes in programs side by side (`LaunchConfig.spread`)
+    planar: bool = False  # the device bank's MXFP4 matrices in `ops.bank.to_planar`'s order (a resident bank's)
 
 
 def random_math(case: Case, generator: torch.Generator) -> ExpertMath:
@@ -140,7 +141,9 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     x = torch.randn(case.num_tokens, case.hidden, generator=generator).to(case.dtype)
     ref = expert_ffn_reference(x, token_ids, expert_ids, weights, bank)
     device_bank = on_device(bank, device)  # NOTE: tables hold raw addresses; the bank must stay alive
+    device_bank = to_planar(device_bank) if case.planar else device_bank
     tables = tables_from_bank(device_bank, device)
+    assert tables.planar == (case.planar and QType.MXFP4 in case.types)
     out = torch.full((case.num_tokens, case.hidden), float("nan"), device=device)
     poison_allocator(device, 64 << 20)
     grouped_expert_ffn(x.to(device), token_ids.to(device), expert_ids.to(device), weights.to(device), tables,
@@ -150,6 +153,15 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     error = relative_error(out, ref)
     assert error < tolerance(case), f"{case}: relative error {error:.2e}"
     return error
+
+
+def check_case(case: Case, device: torch.device, seed: int) -> float | None:
+    """`run_case`; a planar bank where MXFP4 runs on int8 activations is refused instead (its kernel reads floats)."""
+    if case.planar and reads_int8(QType.MXFP4):
+        with pytest.raises(ValueError, match="planar MXFP4"):
+            run_case(case, device, seed)
+        return None
+    return run_case(case, device, seed)
 
 
 def tolerance(case: Case) -> float:
@@ -250,6 +262,8 @@ def test_the_new_presets_shapes(shape: tuple[int, int, QType, str, bool], num_to
     case = Case((qtype,) * 3, num_tokens, torch.bfloat16, hidden=hidden, ff=ff, num_experts=16, top_k=4,
                 activation=activation, biases=biases)
     run_case(case, CUDA, seed=int(torch.randint(1 << 30, ())))
+    if qtype == QType.MXFP4:  # as a resident layer holds it
+        run_case(replace(case, planar=True), CUDA, seed=int(torch.randint(1 << 30, ())))
 
 
 @pytest.mark.gpu
@@ -442,11 +456,17 @@ INTERPRETER_CASES = [
     # 16 blocks a step over rows of 24 and 5 blocks: the last step reaches past the row
     Case((QType.Q4_0, QType.MXFP4, QType.Q8_0), num_tokens=2, hidden=768, ff=160, num_experts=3, top_k=2,
          gate_up_rows=32, biases=True, blocks=16),
+    # a resident bank's planar MXFP4: programs over several groups of 16 rows and within one, rows past a step
+    Case((QType.MXFP4,) * 3, num_tokens=3, hidden=224, ff=160, num_experts=4, top_k=2, gate_up_rows=32,
+         down_rows=16, activation="swiglu_oai", biases=True, planar=True),
+    Case((QType.Q4_0, QType.MXFP4, QType.Q8_0), num_tokens=2, hidden=768, ff=160, num_experts=3, top_k=2,
+         gate_up_rows=16, biases=True, blocks=16, planar=True),
 ]
 INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_tokens} {c.activation}"
                        f"{' biases' if c.biases else ''}{f' blocks={c.blocks}' if c.blocks else ''}"
-                       f"{f' bt={c.block_tokens}' if c.block_tokens else ''}{'' if c.spread else ' not spread'}",
-                       lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
+                       f"{f' bt={c.block_tokens}' if c.block_tokens else ''}{'' if c.spread else ' not spread'}"
+                       f"{' planar' if c.planar else ''}",
+                       lambda seed, c=c: check_case(c, torch.device("cpu"), seed)) for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("bf16 out", lambda seed: check_16bit_out(INTERPRETER_CASES[1], torch.device("cpu"), seed)))
 INTERPRETER_CHECKS.append(("int8 planes", lambda seed: check_int8_planes(torch.device("cpu"), seed)))
 INTERPRETER_CHECKS.append(("prepared x",
