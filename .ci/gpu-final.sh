@@ -22,7 +22,11 @@
 #   8: issue 19's KV types: the decode attention's launches timed at 32k positions and 32k-token decodes with the
 #      fastest of each type (.ci/gpu-kv-sweep.py, SWEEP_S seconds of sweep, default 150), then the KL divergence of
 #      q8_0 and q4_0 KV against bf16 (`moecache perplexity`, 2 chunks of 8,192 tokens of the package's corpus).
-# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | ... | 8
+#   9: what 2026-12-07's tenth lease left untimed, after `1`: gpt-oss-20b's resident decode with planar MXFP4 beside
+#      llama.cpp's `-ngl 99` row and the decode kernels' default shapes, GGUF's MXFP4 against planar
+#      (.ci/gpu-expert-sweep.py), the decode attention's launches over caches past L2 (.ci/gpu-kv-sweep.py, QUICK), and
+#      the 50% prompt's link timeline (.ci/gpu-prefill-profile.py, bench's warm start).
+# Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | ... | 9
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LOGS=${LOGS:-/tmp/moecache-gpu}  # kept between the calls of one lease; packed into $OUT/gpu-logs.tgz at the end
@@ -203,5 +207,15 @@ print(sum(t.num_bytes for t in GGUFFile('$M') if '_exps' in t.name) // 2 >> 20)"
     PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m service.cli perplexity -m $M --kv-cache-dtype $kv --kl-divergence \
       --kl-divergence-base /tmp/kv-base.kld 2>&1 | tee -a "$LOGS/kld.log" | grep -E "Mean|KLD|Same top|rror"
   done
+  ;;
+9)
+  M=/tmp/qwen3moe-30b-a3b.gguf
+  PLACEMENTS=resident LLAMA_ROWS=resident bash .ci/gpu-models.sh gpt-oss-20b 2>&1 | tail -8
+  PYTHONPATH=/tmp/site:$PWD timeout 100 python3 .ci/gpu-expert-sweep.py 40 > "$LOGS/expert-sweep.log" 2>&1
+  grep -E "^(==|  1 )" "$LOGS/expert-sweep.log" | grep -E "gpt-oss|==" | head -20
+  QUICK=1 PYTHONPATH=/tmp/site:$PWD timeout 240 python3 .ci/gpu-kv-sweep.py 32768 60 $M 2>&1 \
+    | tee "$LOGS/kv-sweep.log" | grep -E "^(==|\|| +[0-9.]+ us|[a-z0-9_]+: default)"
+  ROUTING=model PROFILE=$PROFILE PYTHONPATH=/tmp/site:$PWD timeout 150 python3 .ci/gpu-prefill-profile.py $M 512 50% \
+    2>&1 | tee "$LOGS/prefill-profile.log" | grep -E "^(==|  +[0-9]| +link)" | head -40
   ;;
 esac

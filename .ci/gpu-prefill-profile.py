@@ -27,10 +27,10 @@ from service.bench.runner import apply
 from service.bench.sweep import SweepPoint
 from service.engine_setup import load_engine
 
-CONFIGS = {  # bench's configurations (`--n-cpu-moe 0` / `--cpu-moe`, `--budget-frac`)
-    "resident": SweepPoint("decay", "stream", 0),
-    "cpu-moe, no cache": SweepPoint("decay", "stream", 10_000, budget_frac=0.0),
-    "cpu-moe, 50% cache": SweepPoint("decay", "stream", 10_000, budget_frac=0.5),
+CONFIGS = {  # bench's prompt rows' configurations (`--n-cpu-moe 0` / `--cpu-moe`, `--budget-frac`, `--policy lru`)
+    "resident": SweepPoint("lru", "stream", 0),
+    "cpu-moe, no cache": SweepPoint("lru", "stream", 10_000, budget_frac=0.0),
+    "cpu-moe, 50% cache": SweepPoint("lru", "stream", 10_000, budget_frac=0.5),
 }
 CUDA = torch.cuda.is_available()
 
