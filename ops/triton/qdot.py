@@ -756,11 +756,18 @@ def _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.co
 
 
 @triton.jit
-def _mxfp4_load(start, c, j):
-    """Code bytes `[BR, NB, 16]` (byte j of block c: weights 32c + j, low nibble, and 32c + 16 + j) and the block's
-    scale as `_e8m0_scale` gives it, the same along j."""
-    codes = tl.load(start[:, None, None] + 17 * c + 1 + j).to(tl.int32)
-    return codes, _e8m0_scale(tl.load(start[:, None, None] + 17 * c + 0 * j).to(tl.int32))
+def _mxfp4_load(codes, scales, c, g, j, K: tl.constexpr, NB: tl.constexpr, PLANAR: tl.constexpr):
+    """Code bytes `[BR, NB, 16]` (byte j of block c: weights 32c + j, low nibble, and 32c + 16 + j) and the blocks'
+    scales as `_e8m0_scale` gives them, `[BR, NB, 16]` or `[BR, NB, 1]`. codes: byte pointers `[BR]` to each row;
+    PLANAR (`_planar_rows`): to each row's codes, 16 bytes a block, and scales to its scale bytes."""
+    if PLANAR:
+        blocks = tl.minimum(NB * g + tl.arange(0, NB), K // 32 - 1)[None, :]
+        q = tl.load(codes[:, None, None] + 16 * c + j)
+        scale = tl.expand_dims(_e8m0_scale(tl.load(scales[:, None] + blocks).to(tl.int32)), 2)
+    else:
+        q = tl.load(codes[:, None, None] + 17 * c + 1 + j)
+        scale = _e8m0_scale(tl.load(codes[:, None, None] + 17 * c + 0 * j).to(tl.int32))
+    return q.to(tl.int32), scale
 
 
 @triton.jit
@@ -780,25 +787,27 @@ def _e2m1(code, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_rows(wa, wb, x0, x1, x2, x3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
-                NB: tl.constexpr):
-    """MXFP4 rows; wa, wb: byte pointers `[BR]` to each row. Tile `[BR, NB blocks, 16 bytes]`; no code offset."""
-    j = tl.arange(0, 16)[None, None, :]
-    zero = tl.zeros([wa.shape[0], NB, 16], tl.float32)
+def _mxfp4_rows(ca, sa, cb, sb, x0, x1, x2, x3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
+                NB: tl.constexpr, PLANAR: tl.constexpr):
+    """MXFP4 rows of matrices a and b (`_mxfp4_load`'s pointers: ca, cb to the rows, or PLANAR their codes and sa, sb
+    their scales). Tile `[BR, NB blocks, 16 bytes]`; no code offset. Planar: a block's 16 code bytes in one vector
+    load, its scale byte once."""
+    j = tl.max_contiguous(tl.arange(0, 16), 16)[None, None, :]
+    zero = tl.zeros([ca.shape[0], NB, 16], tl.float32)
     a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     for g in range((K // 32 + NB - 1) // NB):
         c, valid = _blocks(g, K // 32, NB)
-        qa, sa = _mxfp4_load(wa, c, j)
-        qb, sb = qa, sa
+        qa, da = _mxfp4_load(ca, sa, c, g, j, K, NB, PLANAR)
+        qb, db = qa, da
         if TWO:
-            qb, sb = _mxfp4_load(wb, c, j)
+            qb, db = _mxfp4_load(cb, sb, c, g, j, K, NB, PLANAR)
         if K // 32 % NB:  # the last step's blocks past the row: their scales 0, so they add nothing
-            sa, sb = tl.where(valid, sa, 0.0), tl.where(valid, sb, 0.0)
+            da, db = tl.where(valid, da, 0.0), tl.where(valid, db, 0.0)
         for n in tl.static_range(2):
             v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * n + j, BT)
-            a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, _e2m1(qa, 4 * n) * sa, v0, v1, v2, v3, BT)
+            a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, _e2m1(qa, 4 * n) * da, v0, v1, v2, v3, BT)
             if TWO:
-                b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, _e2m1(qb, 4 * n) * sb, v0, v1, v2, v3, BT)
+                b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, _e2m1(qb, 4 * n) * db, v0, v1, v2, v3, BT)
     return _total(a0), _total(a1), _total(a2), _total(a3), _total(b0), _total(b1), _total(b2), _total(b3)
 
 
@@ -810,33 +819,6 @@ def _planar_rows(addr, rows, row_bytes, K: tl.constexpr):
     group = addr.to(tl.pointer_type(tl.uint8)) + (rows // 16) * (16 * row_bytes)
     codes = tl.multiple_of(group + (rows % 16) * (K // 2), 16)
     return codes, group + 16 * (K // 2) + (rows % 16) * (K // 32)
-
-
-@triton.jit
-def _mxfp4_planar_rows(ca, sa, cb, sb, x0, x1, x2, x3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
-                       NB: tl.constexpr):
-    """Planar MXFP4 rows (`_planar_rows`' code and scale pointers ca, sa and cb, sb): a block's 16 code bytes in
-    one vector load, its scale byte once; the arithmetic of `_mxfp4_rows`."""
-    j = tl.max_contiguous(tl.arange(0, 16), 16)[None, None, :]
-    zero = tl.zeros([ca.shape[0], NB, 16], tl.float32)
-    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
-    for g in range((K // 32 + NB - 1) // NB):
-        c, valid = _blocks(g, K // 32, NB)
-        blocks = tl.minimum(NB * g + tl.arange(0, NB), K // 32 - 1)[None, :]
-        qa = tl.load(ca[:, None, None] + 16 * c + j).to(tl.int32)
-        da = tl.expand_dims(_e8m0_scale(tl.load(sa[:, None] + blocks).to(tl.int32)), 2)
-        qb, db = qa, da
-        if TWO:
-            qb = tl.load(cb[:, None, None] + 16 * c + j).to(tl.int32)
-            db = tl.expand_dims(_e8m0_scale(tl.load(sb[:, None] + blocks).to(tl.int32)), 2)
-        if K // 32 % NB:  # the last step's blocks past the row: their scales 0, so they add nothing
-            da, db = tl.where(valid, da, 0.0), tl.where(valid, db, 0.0)
-        for n in tl.static_range(2):
-            v0, v1, v2, v3 = _slots(x0, x1, x2, x3, 32 * c + 16 * n + j, BT)
-            a0, a1, a2, a3 = _fma4(a0, a1, a2, a3, _e2m1(qa, 4 * n) * da, v0, v1, v2, v3, BT)
-            if TWO:
-                b0, b1, b2, b3 = _fma4(b0, b1, b2, b3, _e2m1(qb, 4 * n) * db, v0, v1, v2, v3, BT)
-    return _total(a0), _total(a1), _total(a2), _total(a3), _total(b0), _total(b1), _total(b2), _total(b3)
 
 
 # --- one row block of any format --------------------------------------------------------------------
@@ -869,14 +851,14 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     elif FMT == MXFP4_PLANAR:
         ca, sa = _planar_rows(addr_a, rows, row_bytes, K)
         cb, sb = _planar_rows(addr_b, rows, row_bytes, K)
-        out = _mxfp4_planar_rows(ca, sa, cb, sb, x0, x1, x2, x3, K, BT, TWO, BLOCKS)
+        out = _mxfp4_rows(ca, sa, cb, sb, x0, x1, x2, x3, K, BT, TWO, BLOCKS, True)
     elif FMT == MXFP4:
         wa = addr_a.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         if MXFP4_INT8:
             out = _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, BLOCKS, 2)
         else:
-            out = _mxfp4_rows(wa, wb, x0, x1, x2, x3, K, BT, TWO, BLOCKS)
+            out = _mxfp4_rows(wa, wa, wb, wb, x0, x1, x2, x3, K, BT, TWO, BLOCKS, False)
     else:
         tl.static_assert(FMT == Q8_0 or FMT == Q4_0, "rows_dot: no kernel for this format")
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)

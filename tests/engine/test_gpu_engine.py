@@ -425,23 +425,35 @@ def test_quantized_kv_cache_in_captured_and_eager_steps(small_moe_gguf: Path, kv
         assert rel_error(e, b) < KV_LOGIT_BOUNDS[kv_types]
 
 
+# 59 prompt tokens in the first step: more than a cached step's 32, so host layers are staged (through the staged
+# layer's math)
+PROMPTS = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301],
+           [2, *range(100, 135)]]
+
+
+def device_and_cpu_logits(path: Path, cache: dict,
+                          look: Callable[[LLMEngine, str], None] | None = None) -> dict[str, list[torch.Tensor]]:
+    """A preset's float32 logits over 24 teacher-forced steps of PROMPTS (past a 16-position window) on the device
+    with `cache` and on the CPU with every expert in place; look(engine, device) first, where given."""
+    logits = {}
+    for device in ("cuda", "cpu"):
+        cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
+                           cache=CacheConfig(**cache) if device == "cuda" else CacheConfig(),
+                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+        engine = LLMEngine(cfg)
+        if look is not None:
+            look(engine, device)
+        logits[device] = teacher_forced_logits(engine, PROMPTS, 24)
+    return logits
+
+
 @pytest.mark.parametrize("cache", [dict(), dict(cpu_moe=True, budget_mib=1, miss_mode="stream"),
                                    dict(cpu_moe=True, budget_mib=1, miss_mode="hybrid")],
                          ids=["resident", "stream", "hybrid"])
 def test_gemma4_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], cache: dict) -> None:
     """gemma4-tiny in float32 on the device (captured steps, its wide full-attention heads, merged gate/up
     experts behind the cache, a prompt step's staged layers) gives the CPU's logits."""
-    path = preset_gguf("gemma4-tiny")
-    # 59 prompt tokens in the first step: more than a cached step's 32, so host layers are staged (their GELU
-    # experts through the staged layer's math)
-    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301],
-               [2, *range(100, 135)]]
-    logits = {}
-    for device in ("cuda", "cpu"):
-        cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
-                           cache=CacheConfig(**cache) if device == "cuda" else CacheConfig(),  # type: ignore[arg-type]
-                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
-        logits[device] = teacher_forced_logits(LLMEngine(cfg), prompts, 24)  # past the 16-position window
+    logits = device_and_cpu_logits(preset_gguf("gemma4-tiny"), cache)
     # hybrid: the CPU's experts quantize activations to int8 (two planes, float32-level per expert) where the
     # CPU reference does not; 24 teacher-forced tokens add that up (1.07e-3 measured on the H200)
     bound = 2e-3 if cache.get("miss_mode") == "hybrid" else 1e-3
@@ -455,21 +467,14 @@ def test_gpt_oss_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], c
     """gpt-oss-tiny in float32 on the device gives the CPU's logits over 24 teacher-forced steps: its resident MXFP4
     experts planar (`ops.bank.to_planar`, read by the decode kernels and the prompt's GEMMs), or in GGUF's blocks
     behind the cache (slots and staged layers)."""
-    path = preset_gguf("gpt-oss-tiny")
-    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301],
-               [2, *range(100, 135)]]
-    logits = {}
-    for device in ("cuda", "cpu"):
-        cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
-                           cache=CacheConfig(**cache) if device == "cuda" else CacheConfig(),  # type: ignore[arg-type]
-                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
-        engine = LLMEngine(cfg)
+    def look(engine: LLMEngine, device: str) -> None:
         planar = [bank.planar for bank in engine.cache.dispatcher.resident.values()]
         if device == "cpu":
             assert planar and not any(planar)  # every layer resident, read in place from the map
         else:
             assert planar == ([] if cache else [True] * 4)  # its four MoE layers resident, or none
-        logits[device] = teacher_forced_logits(engine, prompts, 24)  # past the 16-position window
+
+    logits = device_and_cpu_logits(preset_gguf("gpt-oss-tiny"), cache, look)
     for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
         assert rel_error(gpu, cpu) < 1e-3
 
@@ -481,18 +486,10 @@ def test_deepseek2_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path])
     gemma4-tiny's steps are within 1e-3: its V3 routing (sigmoid scores times 2.5 over groups) carries the devices'
     last-bit differences further; the same kernels under Triton's interpreter gave the CPU's logits within 2.2e-5
     (docs/kernels.md). A wrong head, position or latent column errs by 0.1 or more."""
-    path = preset_gguf("deepseek2-tiny")
-    # 59 prompt tokens in the first step: more than a cached step's 32, so host layers are staged (their GELU
-    # experts through the staged layer's math)
-    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301],
-               [2, *range(100, 135)]]
-    logits = {}
-    for device in ("cuda", "cpu"):
-        cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
-                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
-        engine = LLMEngine(cfg)
-        logits[device] = teacher_forced_logits(engine, prompts, 24)
+    def look(engine: LLMEngine, device: str) -> None:
         assert device == "cpu" or engine.runner.graphs
+
+    logits = device_and_cpu_logits(preset_gguf("deepseek2-tiny"), {}, look)
     for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
         assert rel_error(gpu, cpu) < 5e-3
 
@@ -510,11 +507,7 @@ def test_quantized_kv_cache_beside_windows_sinks_and_wide_heads(preset_gguf: Cal
     gemma4-tiny's steps differ by 1.8e-2-4.9e-2 with q4_0 values and gpt-oss-tiny's by 3.7e-5, but for one to
     three lone steps of 0.11-0.22 (docs/benchmarks.md). A wrong layout moves many steps: on the CPU, a window four
     positions too wide puts a quarter of either prompt's steps at 0.22 or more."""
-    path = preset_gguf(model)
-    # 59 prompt tokens in the first step: more than a cached step's 32, so host layers are staged (their GELU
-    # experts through the staged layer's math)
-    prompts = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58], [2, 300, 301],
-               [2, *range(100, 135)]]
+    path, prompts = preset_gguf(model), PROMPTS
     logits = {}
     for device in ("cuda", "cpu"):
         cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64,
