@@ -100,14 +100,6 @@ def to_planar(bank: ExpertWeights) -> ExpertWeights:
     return replace(bank, gate=gate, up=up, down=down, planar=True)
 
 
-def from_planar(bank: ExpertWeights) -> ExpertWeights:
-    """`to_planar`'s inverse: GGUF's blocks."""
-    if not bank.planar:
-        return bank
-    gate, up, down = (_planar(t, qtype, cols, False) for t, qtype, cols in _matrices(bank))
-    return replace(bank, gate=gate, up=up, down=down, planar=False)
-
-
 def gguf_experts(bank: ExpertWeights, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gate, up and down bytes of the bank's `rows` in GGUF's blocks (a planar bank's converted back)."""
     return tuple(_planar(t[rows], qtype, cols, False) if bank.planar else t[rows]  # type: ignore[return-value]
