@@ -17,13 +17,15 @@ and lists what it skipped. A config that fails is one line saying why. In the ta
 With `ncu`, each shape's default gate/up and down launch at 1 token (and Qwen3-30B-A3B's at 8) runs once between
 cudaProfilerStart and Stop (after warm-up launches outside), for Nsight Compute to read their counters (under
 `ncu --profile-from-start off`).
-Usage: PYTHONPATH=/tmp/site:$PWD python3 .ci/gpu-expert-sweep.py [budget_s=50] [replays=5]  (needs CUDA)
+Usage: [ONLY=TEXT] PYTHONPATH=/tmp/site:$PWD python3 .ci/gpu-expert-sweep.py [budget_s=50] [replays=5]  (needs CUDA;
+       ONLY: the shapes whose name holds TEXT)
        PYTHONPATH=/tmp/site:$PWD ncu --profile-from-start off --section ... python3 .ci/gpu-expert-sweep.py ncu"""
 
 import time
 
 START = time.monotonic()
 
+import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -80,6 +82,7 @@ SHAPES = (
     Shape("gpt-oss-20b MXFP4", 2880, 2880, 32, 4, (QType.MXFP4, QType.MXFP4, QType.MXFP4), SWIGLU_OAI, True),
     Shape("gpt-oss-20b MXFP4 planar", 2880, 2880, 32, 4, (QType.MXFP4,) * 3, SWIGLU_OAI, True, planar=True),
 )
+SHAPES = tuple(shape for shape in SHAPES if os.environ.get("ONLY", "") in shape.name)
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ print(sum(t.num_bytes for t in GGUFFile('$M') if '_exps' in t.name) // 2 >> 20)"
 9)
   M=/tmp/qwen3moe-30b-a3b.gguf
   PLACEMENTS=resident LLAMA_ROWS=resident bash .ci/gpu-models.sh gpt-oss-20b 2>&1 | tail -8
-  PYTHONPATH=/tmp/site:$PWD timeout 100 python3 .ci/gpu-expert-sweep.py 40 > "$LOGS/expert-sweep.log" 2>&1
+  ONLY=gpt-oss PYTHONPATH=/tmp/site:$PWD timeout 120 python3 .ci/gpu-expert-sweep.py 60 > "$LOGS/expert-sweep.log" 2>&1
   grep -E "^(==|  1 )" "$LOGS/expert-sweep.log" | grep -E "gpt-oss|==" | head -20
   QUICK=1 PYTHONPATH=/tmp/site:$PWD timeout 240 python3 .ci/gpu-kv-sweep.py 32768 60 $M 2>&1 \
     | tee "$LOGS/kv-sweep.log" | grep -E "^(==|\|| +[0-9.]+ us|[a-z0-9_]+: default)"
