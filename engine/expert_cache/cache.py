@@ -99,7 +99,7 @@ class ExpertCache:
     def is_static(self) -> bool:
         """No step changes a table or lands an expert: every routed expert resident, or every host layer's experts
         computed by the CPU with no slot to cache them in (`cpu` misses, no cache, no disk tier)."""
-        no_cache = self.cfg.mode.name == "cpu" and self.plan.num_slots == 0 and self.tier is None
+        no_cache = not self.cfg.mode.streams and self.plan.num_slots == 0 and self.tier is None
         return not self.dispatcher.host or no_cache
 
     def flush(self) -> None:

@@ -55,6 +55,7 @@ from ops.triton.qdot import (
     _e8m0_scale,
     has_kernel,
     kernel_format,
+    planar_offsets,
 )
 from ops.triton.tables import ExpertTables
 
@@ -157,8 +158,7 @@ def _row_offsets(n, row_bytes, cols, FMT: tl.constexpr):
     """Rows n's byte offsets `[BN, 1, 1]` where `_weight_tile` reads them: their first bytes, and for planar MXFP4
     (`ops.bank.to_planar`) their codes' and their scales'."""
     if FMT == MXFP4_PLANAR:
-        group = (n // 16) * (16 * row_bytes)
-        codes, scales = group + (n % 16) * (cols // 2), group + 16 * (cols // 2) + (n % 16) * (cols // 32)
+        codes, scales = planar_offsets(n, row_bytes, cols)
     else:
         codes, scales = n * row_bytes, n * row_bytes
     return codes[:, None, None], scales[:, None, None]

@@ -30,6 +30,8 @@ import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from gguf import GGMLQuantizationType
 
+from ops.bank import PLANAR_ROWS
+
 if TYPE_CHECKING:
     from ops.triton.tables import ExpertTables
 
@@ -43,6 +45,7 @@ Q4_0 = tl.constexpr(int(QType.Q4_0))
 MXFP4 = tl.constexpr(int(QType.MXFP4))
 PLANAR_MXFP4 = 1000 + int(QType.MXFP4)  # the kernels' code of MXFP4 in `ops.bank.to_planar`'s order
 MXFP4_PLANAR = tl.constexpr(PLANAR_MXFP4)
+PLANAR = tl.constexpr(PLANAR_ROWS)  # rows a planar MXFP4 group holds
 KERNEL_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.MXFP4)
 GROUP = 16  # activation sums are kept per 16 columns (the smallest sub-block, Q6_K's)
 MAGIC = 0x4B000000  # float32 bits of 2**23, passed to the kernels at run time (see _code_times)
@@ -812,13 +815,21 @@ def _mxfp4_rows(ca, sa, cb, sb, x0, x1, x2, x3, K: tl.constexpr, BT: tl.constexp
 
 
 @triton.jit
+def planar_offsets(rows, row_bytes, cols):
+    """Byte offsets of rows `rows` of a planar MXFP4 matrix of `cols` columns (`ops.bank.to_planar`: groups of
+    PLANAR rows, their codes, cols / 2 bytes a row, then their scales, cols / 32 bytes a row): each row's codes
+    (16-byte aligned) and its scales."""
+    group = (rows // PLANAR) * (PLANAR * row_bytes)
+    return group + (rows % PLANAR) * (cols // 2), group + PLANAR * (cols // 2) + (rows % PLANAR) * (cols // 32)
+
+
+@triton.jit
 def _planar_rows(addr, rows, row_bytes, K: tl.constexpr):
-    """Rows of a planar MXFP4 matrix at byte address addr (`ops.bank.to_planar`: groups of 16 rows, their codes,
-    K / 2 bytes a row, then their scales, K / 32 bytes a row): each row's code bytes, 16-byte aligned, and its
-    scale bytes `[BR]`."""
-    group = addr.to(tl.pointer_type(tl.uint8)) + (rows // 16) * (16 * row_bytes)
-    codes = tl.multiple_of(group + (rows % 16) * (K // 2), 16)
-    return codes, group + 16 * (K // 2) + (rows % 16) * (K // 32)
+    """Rows of a planar MXFP4 matrix at byte address addr: pointers `[BR]` to each row's code bytes and to its scale
+    bytes (`planar_offsets`)."""
+    base = addr.to(tl.pointer_type(tl.uint8))
+    codes, scales = planar_offsets(rows, row_bytes, K)
+    return tl.multiple_of(base + codes, 16), base + scales
 
 
 # --- one row block of any format --------------------------------------------------------------------
