@@ -1,12 +1,13 @@
 """The decode attention's launch over a long quantized KV cache (CUDA): one token of Qwen3-30B-A3B's attention (32 q
 heads, 4 kv heads, head_dim 128, bf16 q) at POSITIONS positions, for each cache type, timed over every `SplitLaunch`
-of the sweep (products on the codes or not, programs wanted, positions a tile, warps, pipeline stages), each checked
-against the default launch's output. Each timing cycles through as many layers' caches as pass 200 MB, so that no
-type's cache is read from L2 (a q8_0 layer at 32k is 36 MB, within an H100's 50 MB L2), as in a decode step. Prints
+of the sweep (plain tiles, products on the codes or float16 tiles; programs wanted, positions a tile, warps, pipeline
+stages), each checked against the default launch's output. Each timing cycles through as many layers' caches as pass
+200 MB, so that no type's cache is read from L2 (a q8_0 layer at 32k is 36 MB, within an H100's 50 MB L2), as in a
+decode step. Prints
 the default's time and the fastest launches of each type. With a model, then decodes at a 32k-token context with each
 KV type in this process, the fastest launch of each type in place (`moecache bench` as docs/benchmarks.md's 32k rows).
 Usage: python3 .ci/gpu-kv-sweep.py [POSITIONS] [SECONDS] [MODEL] (default 32768 and 150: each type's sweep stops after
-a third of SECONDS); QUICK=1: a smaller sweep."""
+a third of SECONDS); QUICK=1: a smaller sweep; KV_TYPES (default "bf16 q8_0 q4_0"): the types swept and decoded."""
 
 import itertools
 import os
@@ -26,10 +27,11 @@ POSITIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 SECONDS = float(sys.argv[2]) if len(sys.argv) > 2 else 150.0
 MODEL = sys.argv[3] if len(sys.argv) > 3 else None
 TYPES = {"bf16": None, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0}
-SPACE = ((True, False), (64, 128, 32), (8, 4), (0, 3), (256, 512, 1024))
-if os.environ.get("QUICK"):  # a short lease: products on the codes or not, two tile lengths and program counts
-    SPACE = ((True, False), (64, 128), (8,), (0,), (256, 512))
-LAUNCHES = [SplitLaunch(p, b, w, s, c) for c, b, w, s, p in itertools.product(*SPACE)]
+FORMS = {"tiles": {}, "codes": {"codes_dot": True}, "f16": {"f16_tiles": True}}  # how a quantized side is multiplied
+SPACE = (tuple(FORMS), (64, 128, 32), (8, 4), (0, 3), (256, 512, 1024))
+if os.environ.get("QUICK"):  # a short lease: float16 tiles first, plain ones, two tile lengths, warps and programs
+    SPACE = (("f16", "tiles"), (64, 128), (4, 8), (3,), (256, 512, 1024))
+LAUNCHES = [SplitLaunch(p, b, w, s, **FORMS[f]) for f, b, w, s, p in itertools.product(*SPACE)]
 torch.manual_seed(0)
 dev = torch.device("cuda")
 q = torch.randn(1, 32, 128, device=dev).bfloat16()
@@ -45,8 +47,10 @@ def timed(calls: list) -> float:
 
 print(f"== decode attention, 1 token, 32 q heads / 4 kv heads, head_dim 128, {POSITIONS} positions "
       f"({torch.cuda.get_device_name()})")
-for name, qtype in TYPES.items():
-    deadline = time.monotonic() + SECONDS / len(TYPES)
+SWEPT = os.environ.get("KV_TYPES", " ".join(TYPES)).split()  # the types swept and decoded
+for name in SWEPT:
+    qtype = TYPES[name]
+    deadline = time.monotonic() + SECONDS / len(SWEPT)
     k, v = (dense[i] if qtype is None else kv_quant.quantize_rows(dense[i], qtype) for i in range(2))
     bits = attention.KV_BITS[qtype], attention.KV_BITS[qtype]
     layer_bytes = k.numel() * k.element_size() * 2
@@ -61,7 +65,7 @@ for name, qtype in TYPES.items():
     rows = [(timed(calls), "default", SplitLaunch())]
     print(f"{name}: default {SplitLaunch()} {rows[0][0]:.1f} us ({layer_bytes / 1e6:.1f} MB of K and V, "
           f"{len(layers)} layers' caches: {layer_bytes / rows[0][0] / 1e3:.0f} GB/s)", flush=True)
-    for launch in LAUNCHES if qtype is not None else [x for x in LAUNCHES if not x.codes_dot]:
+    for launch in LAUNCHES if qtype is not None else [x for x in LAUNCHES if not (x.codes_dot or x.f16_tiles)]:
         if time.monotonic() > deadline:
             print(f"   (deadline: {name} stopped before {launch})")
             break
@@ -82,7 +86,7 @@ for name, qtype in TYPES.items():
     sys.stdout.flush()
 del dense, k, v, want, layers, calls
 torch.cuda.empty_cache()
-for name in os.environ.get("KV_TYPES", " ".join(TYPES)).split() if MODEL else ():
+for name in SWEPT if MODEL else ():
     bits = attention.KV_BITS[TYPES[name]], attention.KV_BITS[TYPES[name]]
     print(f"== KV {name}, 32k context, launch {attention.SPLIT_LAUNCH.get(bits, SplitLaunch())}", flush=True)
     main(["bench", "-m", MODEL, "--n-cpu-moe", "0", "--kv-cache-dtype", name, "--batches", "1", "--prompt-len", "16",

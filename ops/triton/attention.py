@@ -13,7 +13,8 @@ the first `value_dim` of them (the caches are views of one tensor), and every he
 head. The rest of the key (`head_dim - value_dim`, the rotary part) adds a second product to the scores.
 
 A cache of q8_0 or q4_0 rows (`ops.kv_quant`) is dequantized tile by tile as the kernels read it, to q's
-dtype, the same values as the torch reference's dequantized cache. `prefill_attention` is the causal
+dtype, the same values as the torch reference's dequantized cache (or, with `SplitLaunch.f16_tiles`, to float16: each
+value d * code rounded once, q and the probabilities in float16 beside them). `prefill_attention` is the causal
 attention of a chunk of one sequence over such a cache (an unquantized one goes through SDPA), and the
 KV write quantizes rows as it stores them.
 """
@@ -35,6 +36,7 @@ _TARGET_PROGRAMS = 256  # (token, kv head, split) programs: ~2 per SM of a 132-S
 _MIN_SPLIT_LEN = 256  # shorter splits add partials to combine for little K/V each; 256 keeps the smallest
 # KV bucket of a captured decode step at one split, without the combine launch (H200: docs/benchmarks.md)
 KV_BITS = {None: 0, QType.Q8_0: 8, QType.Q4_0: 4}  # the kernels' code of each cache type: bits per value
+_EMULATE = tl.constexpr(interpreting())  # no inline PTX under the interpreter: the same values by plain ops
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class SplitLaunch:
     num_warps: int = 8
     num_stages: int = 0  # 0: Triton's default
     codes_dot: bool = False  # a quantized side's products on its codes, its block scales applied to them (16-bit q)
+    f16_tiles: bool = False  # a quantized side's tiles in float16, q and the probabilities too (16-bit q; `_q8_half`)
 
 
 # (K bits, V bits) -> the launch; pairs not listed take SplitLaunch(). The fastest at 32k positions of
@@ -67,8 +70,8 @@ def _last_position(positions, token, max_len):
 
 @triton.jit
 def _dot(a, b, WIDEN: tl.constexpr):
-    # WIDEN under the interpreter only: its tl.dot multiplies bf16 as their uint16 bits (Triton 3.9).
-    # bf16 -> float32 is exact and the GPU accumulates in float32, so the numbers stay the same.
+    # WIDEN: 16-bit operands under the interpreter only: its tl.dot multiplies bf16 as their uint16 bits (Triton 3.9).
+    # 16 bits -> float32 is exact and the GPU accumulates in float32, so the numbers stay the same.
     if WIDEN:
         a, b = a.to(tl.float32), b.to(tl.float32)
     return tl.dot(a, b, input_precision="ieee")  # ieee: no tf32 for float32 inputs; ignored for 16-bit
@@ -78,7 +81,7 @@ def _dot(a, b, WIDEN: tl.constexpr):
 def _rounded(x, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
     # float32 -> DTYPE to nearest even. WIDEN (the interpreter, bf16): its cast truncates (Triton 3.9), so
     # the rounding is done on the bits, as the GPU's cast and torch's do it
-    if WIDEN:
+    if WIDEN and DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -142,8 +145,50 @@ def _codes(raw, BITS: tl.constexpr, HALF: tl.constexpr):
 def _quantized_rows(row, pos, valid, s_pos, DTYPE: tl.constexpr, BITS: tl.constexpr, WIDEN: tl.constexpr,
                     D: tl.constexpr):
     # rows `pos` `[BN]` of q8_0 / q4_0 values (`_row_parts`) -> `[BN, D]` d * code in float32, rounded to DTYPE
-    d, raw = _row_parts(row, pos, valid, s_pos, BITS, D)
-    return tl.reshape(_rounded(d[:, :, None] * _codes(raw, BITS, False), DTYPE, WIDEN), [pos.shape[0], D])
+    if DTYPE == tl.float16 and BITS == 8 and D % 64 == 0 and not _EMULATE:
+        tile = _q8_half(row, pos, valid, s_pos, D)
+    else:
+        d, raw = _row_parts(row, pos, valid, s_pos, BITS, D)
+        tile = _rounded(d[:, :, None] * _codes(raw, BITS, False), DTYPE, WIDEN)
+    return tl.reshape(tile, [pos.shape[0], D])
+
+
+@triton.jit
+def _q8_half(row, pos, valid, s_pos, D: tl.constexpr):
+    # rows `pos` `[BN]` of q8_0 values (`_row_parts`' layout; D a multiple of 64, so rows and their codes are 4-byte
+    # aligned) -> float16 `[BN, D / 32, 32]`, each d * code rounded once (as `_rounded(d * code, float16)`), two values
+    # an instruction: a code word's four bytes, sign bits flipped, go under the bits of 1024 in two fp16 pairs by byte
+    # permutes, one subtraction of 1024 + 128 leaves the codes and one product scales them
+    # NOTE: rows not valid read position 0's codes (in the cache, unmasked loads) and a scale of 0: their values 0
+    NB: tl.constexpr = D // 32
+    first = tl.where(valid, pos, 0).to(tl.int64) * s_pos  # [BN]
+    d = tl.load(row.to(tl.pointer_type(tl.int16), bitcast=True) + (first // 2)[:, None] + tl.arange(0, NB)[None, :],
+                mask=valid[:, None], other=0).to(tl.int32) & 0xFFFF  # [BN, NB] fp16 bits
+    at = tl.multiple_of((first + 2 * NB) // 4, D // 64)[:, None] + \
+        tl.max_contiguous(tl.arange(0, D // 4), D // 4)[None, :]  # a row's code words
+    words = tl.reshape(tl.load(row.to(tl.pointer_type(tl.int32), bitcast=True) + at), [pos.shape[0], NB, 8])
+    pairs = tl.broadcast_to((d | (d << 16))[:, :, None], words.shape)
+    lo, hi = tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, top, base;
+        xor.b32 t, $2, 0x80808080;
+        mov.b32 top, 0x64646464;
+        mov.b32 base, 0x64806480;
+        prmt.b32 $0, t, top, 0x4140;
+        prmt.b32 $1, t, top, 0x4342;
+        sub.rn.f16x2 $0, $0, base;
+        sub.rn.f16x2 $1, $1, base;
+        mul.rn.f16x2 $0, $0, $3;
+        mul.rn.f16x2 $1, $1, $3;
+        }""", "=r,=r,r,r", [words, pairs], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    values = tl.join(tl.join(_half(lo), _half(lo >> 16)), tl.join(_half(hi), _half(hi >> 16)))  # [BN, NB, 8, 2, 2]
+    return tl.reshape(values, [pos.shape[0], NB, 32])
+
+
+@triton.jit
+def _half(w):
+    """The low 16 bits of int32 words as float16."""
+    return w.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -164,7 +209,7 @@ def _first_position(last, window):
 def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_ids, positions, max_len,
                   split_len, window, sinks, o, lse, qk_scale, GROUP: tl.constexpr, BG: tl.constexpr,
                   BN: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                  SINKS: tl.constexpr, WIDEN: tl.constexpr, CODES_DOT: tl.constexpr):
+                  SINKS: tl.constexpr, WIDEN: tl.constexpr, CODES_DOT: tl.constexpr, F16_TILES: tl.constexpr):
     # program (token, kv head, split); rows of the tile are the group's q heads (padded to BG >= 16
     # for tl.dot), so K/V is read once per group. Scores are in the log2 domain (exp2 is cheaper).
     # D: the values' width and the keys' first columns; ROPE > 0: the keys' D.. D + ROPE columns (a latent cache).
@@ -172,6 +217,8 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
     # columns, and its blocks' scales apply to the products (keys: to a block's scores; values: to the
     # probabilities a block's columns are weighted with), in place of a tile of scale * code values; q, and the
     # probabilities times a value block's scale, go to the tensor cores as float16 (a q past 65,504 would overflow)
+    # F16_TILES (16-bit q, ROPE 0): a quantized side's tiles are float16 values (`_q8_half`), and q goes to the tensor
+    # cores as float16 beside a quantized key tile
     token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads, num_splits = tl.num_programs(1) * GROUP, tl.num_programs(2)
     slot = tl.load(slot_ids + token).to(tl.int64)
@@ -199,8 +246,12 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
     NB: tl.constexpr = D // 32
     K_CODES: tl.constexpr = CODES_DOT and K_BITS > 0
     V_CODES: tl.constexpr = CODES_DOT and V_BITS > 0
+    K_DTYPE: tl.constexpr = tl.float16 if F16_TILES and K_BITS > 0 else q.dtype.element_ty
+    V_DTYPE: tl.constexpr = tl.float16 if F16_TILES and V_BITS > 0 else q.dtype.element_ty
     if K_CODES:
         q_blocks = tl.permute(tl.reshape(q_tile.to(tl.float16), [BG, NB, 32]), (1, 0, 2))  # [NB, BG, 32]
+    elif K_DTYPE != q.dtype.element_ty:
+        q_tile = q_tile.to(K_DTYPE)
     if V_CODES:
         acc = tl.zeros([NB, BG, 32], tl.float32)
     else:
@@ -212,7 +263,7 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
             kc, kd = _code_blocks(k_base, offs, valid, k_s2, K_BITS, D)  # [NB, BN, 32], [NB, BN]
             s = tl.sum(_dot(q_blocks, tl.permute(kc, (0, 2, 1)), WIDEN) * kd[:, None, :], axis=0)  # [BG, BN]
         else:
-            kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], q.dtype.element_ty, K_BITS,
+            kt = _kv_tile(k_base, offs[None, :], cols[:, None], k_s2, valid[None, :], K_DTYPE, K_BITS,
                           WIDEN)  # [D, BN]
             s = _dot(q_tile, kt, WIDEN)
         if ROPE:
@@ -228,7 +279,7 @@ def _split_kernel(q, q_s0, q_s1, k, v, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, slot_
             weights = (p[None, :, :] * vd[:, None, :]).to(tl.float16)  # [NB, BG, BN]
             acc = acc * alpha[None, :, None] + _dot(weights, vc, WIDEN)
         else:
-            vt = _kv_tile(v_base, offs[:, None], cols[None, :], v_s2, valid[:, None], q.dtype.element_ty, V_BITS,
+            vt = _kv_tile(v_base, offs[:, None], cols[None, :], v_s2, valid[:, None], V_DTYPE, V_BITS,
                           WIDEN)  # [BN, D]
             acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, WIDEN)
         m = m_new
@@ -314,6 +365,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = triton.cdiv(max_len, split_len)  # none entirely past max_len
     group = num_heads // kv_heads
     codes_dot = launch.codes_dot and q.dtype != torch.float32 and head_dim == value_dim and bits != (0, 0)
+    f16_tiles = launch.f16_tiles and not codes_dot and q.dtype != torch.float32 and head_dim == value_dim
     o = out if splits == 1 else torch.empty((n, num_heads, splits, value_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((n, num_heads, splits), dtype=torch.float32, device=q.device)
     _split_kernel[(n, kv_heads, splits)](
@@ -321,7 +373,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         slot_ids, positions, max_len, split_len, window, lse if sinks is None else sinks, o, lse, scale * _LOG2E,
         GROUP=group, BG=max(16, triton.next_power_of_2(group)), BN=block_n, D=value_dim, ROPE=head_dim - value_dim,
         K_BITS=bits[0], V_BITS=bits[1], SINKS=sinks is not None,
-        WIDEN=interpreting() and (q.dtype == torch.bfloat16 or codes_dot), CODES_DOT=codes_dot,
+        WIDEN=interpreting() and q.dtype != torch.float32, CODES_DOT=codes_dot,
+        F16_TILES=f16_tiles,
         num_warps=launch.num_warps, **({"num_stages": launch.num_stages} if launch.num_stages else {}))
     if splits > 1:
         _combine_kernel[(n, num_heads)](o, lse, positions, max_len, split_len, splits, window, out, D=value_dim,

@@ -66,6 +66,7 @@ class Case:
     sinks: bool = False  # a random sink logit per head
     value_dim: int | None = None  # a latent cache (MLA): the values are the keys' first value_dim columns
     codes_dot: bool = False  # launched with `SplitLaunch.codes_dot` (products on a quantized side's codes)
+    f16_tiles: bool = False  # launched with `SplitLaunch.f16_tiles` (a quantized side's tiles in float16)
 
     @property
     def qtypes(self) -> tuple[QType | None, QType | None]:
@@ -160,12 +161,14 @@ def run_case(case: Case, device: torch.device, seed: int) -> float:
     sinks = None if sinks is None else sinks.to(device)
     poison_allocator(device, 64 << 20)
     bits = KV_BITS[case.k_qtype], KV_BITS[case.v_qtype]
-    launch = replace(attention.SPLIT_LAUNCH.get(bits, SplitLaunch()), codes_dot=case.codes_dot)  # as shipped
+    launch = replace(attention.SPLIT_LAUNCH.get(bits, SplitLaunch()), codes_dot=case.codes_dot,
+                     f16_tiles=case.f16_tiles)  # as shipped otherwise
     with launched(bits, launch):
         out = decode_attention(q, k, v, slot_ids, positions, scale, num_splits=case.num_splits, k_qtype=case.k_qtype,
                                v_qtype=case.v_qtype, window=case.window, sinks=sinks)
-    # NOTE: products on the codes skip the dequantized values' rounding to 16 bits: within tolerance of the reference
-    if case.qtypes != (None, None) and not case.codes_dot:
+    # NOTE: products on the codes skip the dequantized values' rounding to 16 bits, and float16 tiles round them to
+    # float16 where q is bf16: within tolerance of the reference
+    if case.qtypes != (None, None) and not case.codes_dot and not (case.f16_tiles and case.dtype == torch.bfloat16):
         with launched((0, 0), launch):  # the same tiles over the dequantized cache: the same sums
             same = decode_attention(q, k_dense, v_dense, slot_ids, positions, scale, num_splits=case.num_splits,
                                     window=case.window, sinks=sinks)
@@ -362,14 +365,16 @@ def qtype_ids(pair: tuple[QType | None, QType | None]) -> str:
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtypes", QTYPE_PAIRS, ids=qtype_ids)
 @pytest.mark.parametrize("num_tokens", [1, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_quantized_cache_matches_reference(dtype: torch.dtype, num_tokens: int,
                                            qtypes: tuple[QType | None, QType | None]) -> None:
-    for codes_dot in (False, True) if dtype != torch.float32 else (False,):
-        run_case(Case(num_tokens, 32, 4, 128, dtype, max_len=2048, k_qtype=qtypes[0], v_qtype=qtypes[1],
-                      codes_dot=codes_dot), CUDA, fresh_seed())
-        run_case(Case(3, 16, 2, 64, dtype, max_len=640, k_qtype=qtypes[0], v_qtype=qtypes[1], codes_dot=codes_dot),
-                 CUDA, fresh_seed())
+    """Every launch form: plain tiles, products on the codes and float16 tiles (16-bit q); a float16 q's float16
+    tiles hold the dequantized cache's values (`_q8_half`'s byte permutes checked value for value)."""
+    for codes_dot, f16_tiles in ((False, False), (True, False), (False, True)) if dtype != torch.float32 else \
+            ((False, False),):
+        for shape in ((num_tokens, 32, 4, 128, dtype, 2048), (3, 16, 2, 64, dtype, 640)):
+            run_case(Case(*shape[:5], max_len=shape[5], k_qtype=qtypes[0], v_qtype=qtypes[1], codes_dot=codes_dot,
+                          f16_tiles=f16_tiles), CUDA, fresh_seed())
 
 
 @pytest.mark.gpu
@@ -444,6 +449,8 @@ QUANTIZED_CASES = [
     Case(2, 4, 1, 64, torch.bfloat16, max_len=150, num_splits=3, k_qtype=QType.Q4_0, v_qtype=QType.Q8_0,
          codes_dot=True),
     Case(2, 4, 2, 32, torch.float16, max_len=100, num_splits=2, k_qtype=QType.Q8_0, v_qtype=None, codes_dot=True),
+    Case(2, 4, 1, 64, torch.bfloat16, max_len=150, num_splits=3, k_qtype=QType.Q8_0, v_qtype=QType.Q4_0,
+         f16_tiles=True),
 ]
 INTERPRETER_CHECKS += [(str(c), lambda seed, c=c: run_case(c, torch.device("cpu"), seed)) for c in QUANTIZED_CASES]
 PREFILL_CASES = [  # chunks of several token blocks and key blocks; the first one at a random start

@@ -142,7 +142,8 @@ def test_decode_attention_with_windows_and_sinks_compiles_for_sm90(head_dim: int
     types = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "lse": "*fp32", "sinks": "*fp32",
              "slot_ids": "*i64", "positions": "*i64", "qk_scale": "fp32"}
     compile_for_sm90(_split_kernel, types, dict(GROUP=8, BG=16, BN=max(16, 8192 // head_dim), D=head_dim, ROPE=0,
-                                                K_BITS=0, V_BITS=0, SINKS=True, WIDEN=False, CODES_DOT=False),
+                                                K_BITS=0, V_BITS=0, SINKS=True, WIDEN=False, CODES_DOT=False,
+                                                F16_TILES=False),
                      num_warps=8)
 
 
@@ -153,16 +154,37 @@ def test_a_quantized_kv_cache_is_read_in_vectors(qtype: QType) -> None:
     positions) reads a row's codes in 8-byte vectors, some as asynchronous copies ahead of the loop's products as a
     bf16 cache's tiles are, and its scales once: no byte loads (three a value in ggml's block layout: 195 and 139
     loads a thread a step, where these take 29 and 17)."""
+    sass = quantized_attention_sass(qtype, f16_tiles=False)
+    loads = collections.Counter(re.findall(r"\b((?:LDG|LDGSTS)\.E(?:\.[\w]+)*)\b", sass))
+    assert not any(".U8" in k for k in loads) and sum(loads.values()) <= 32, loads
+    assert loads["LDGSTS.E.64"] > 0, loads
+
+
+@needs_backend
+def test_q8_0_float16_tiles_dequantize_two_values_an_instruction() -> None:
+    """`SplitLaunch.f16_tiles` over a q8_0 cache (the shipped launch's 4 warps, 64 positions a tile): the loop
+    subtracts and scales two codes an instruction (`_q8_half`), reads the codes as asynchronous copies, and runs at
+    most three quarters of the float32 dequantization's instructions (2,592 a position; 1,772 with these)."""
+    plain, half = (loops(quantized_attention_sass(QType.Q8_0, f16, warps=4)) for f16 in (False, True))
+    plain_loop, half_loop = max(plain, key=len), max(half, key=len)
+    ops = collections.Counter(line.split()[0] for line in half_loop if line.split())
+    values = 2 * 64 * 128 // 128  # K and V tiles' values a thread a step
+    assert ops["HMUL2"] == ops["HADD2"] == values // 2, ops
+    assert any("LDGSTS" in line for line in half_loop)
+    assert len(half_loop) <= 0.75 * len(plain_loop), (len(half_loop), len(plain_loop))
+
+
+def quantized_attention_sass(qtype: QType, f16_tiles: bool, warps: int = 8) -> str:
+    """The split kernel's SASS over q8_0 / q4_0 caches of Qwen3-30B-A3B's heads (128 values, 8 q heads a kv head) at
+    32k positions, bf16 q, 64 positions a tile."""
     row, length = {QType.Q8_0: 136, QType.Q4_0: 72}[qtype], 32768
     types = {"q": "*bf16", "k": "*u8", "v": "*u8", "o": "*fp32", "lse": "*fp32", "sinks": "*fp32",
              "slot_ids": "*i32", "positions": "*i32", "qk_scale": "fp32"}
     strides = {f"{c}_s{i}": stride for c in "kv" for i, stride in enumerate((4 * length * row, length * row, row))}
-    sass = compile_sass(_split_kernel, dict(GROUP=8, BG=16, BN=64, D=128, ROPE=0, K_BITS=KV_BITS[qtype],
-                                            V_BITS=KV_BITS[qtype], SINKS=False, WIDEN=False, CODES_DOT=False), 8,
+    return compile_sass(_split_kernel, dict(GROUP=8, BG=16, BN=64, D=128, ROPE=0, K_BITS=KV_BITS[qtype],
+                                            V_BITS=KV_BITS[qtype], SINKS=False, WIDEN=False, CODES_DOT=False,
+                                            F16_TILES=f16_tiles), warps,
                         {**strides, "q_s0": 4096, "q_s1": 128, "max_len": length}, types)
-    loads = collections.Counter(re.findall(r"\b((?:LDG|LDGSTS)\.E(?:\.[\w]+)*)\b", sass))
-    assert not any(".U8" in k for k in loads) and sum(loads.values()) <= 32, loads
-    assert loads["LDGSTS.E.64"] > 0, loads
 
 
 @needs_backend
