@@ -181,7 +181,8 @@ def _q8_half(row, pos, valid, s_pos, D: tl.constexpr):
         mul.rn.f16x2 $0, $0, $3;
         mul.rn.f16x2 $1, $1, $3;
         }""", "=r,=r,r,r", [words, pairs], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    values = tl.join(tl.join(_half(lo), _half(lo >> 16)), tl.join(_half(hi), _half(hi >> 16)))  # [BN, NB, 8, 2, 2]
+    # [BN, NB, 8, 2, 2]: a word's value 2j + k is pair k's half j (lo: values 0, 1; hi: 2, 3)
+    values = tl.join(tl.join(_half(lo), _half(hi)), tl.join(_half(lo >> 16), _half(hi >> 16)))
     return tl.reshape(values, [pos.shape[0], NB, 32])
 
 

@@ -466,7 +466,9 @@ def test_gemma4_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], ca
 def test_gpt_oss_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], cache: dict) -> None:
     """gpt-oss-tiny in float32 on the device gives the CPU's logits over 24 teacher-forced steps: its resident MXFP4
     experts planar (`ops.bank.to_planar`, read by the decode kernels and the prompt's GEMMs), or in GGUF's blocks
-    behind the cache (slots and staged layers)."""
+    behind the cache (slots and staged layers). NOTE: within 2.38e-3 on an H100 (2026-12-07), the same to the last
+    printed digit for both layouts, where gemma4-tiny's are within 1e-3; a wrong block, code or row errs by 0.1 or
+    more."""
     def look(engine: LLMEngine, device: str) -> None:
         planar = [bank.planar for bank in engine.cache.dispatcher.resident.values()]
         if device == "cpu":
@@ -476,7 +478,7 @@ def test_gpt_oss_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path], c
 
     logits = device_and_cpu_logits(preset_gguf("gpt-oss-tiny"), cache, look)
     for gpu, cpu in zip(logits["cuda"], logits["cpu"], strict=True):
-        assert rel_error(gpu, cpu) < 1e-3
+        assert rel_error(gpu, cpu) < 5e-3
 
 
 def test_deepseek2_on_the_gpu_equals_the_cpu(preset_gguf: Callable[[str], Path]) -> None:

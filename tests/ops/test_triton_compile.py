@@ -164,7 +164,7 @@ def test_a_quantized_kv_cache_is_read_in_vectors(qtype: QType) -> None:
 def test_q8_0_float16_tiles_dequantize_two_values_an_instruction() -> None:
     """`SplitLaunch.f16_tiles` over a q8_0 cache (the shipped launch's 4 warps, 64 positions a tile): the loop
     subtracts and scales two codes an instruction (`_q8_half`), reads the codes as asynchronous copies, and runs at
-    most three quarters of the float32 dequantization's instructions (2,592 a position; 1,772 with these)."""
+    most three quarters of the float32 dequantization's instructions (2,592 a position; 1,600 with these)."""
     plain, half = (loops(quantized_attention_sass(QType.Q8_0, f16, warps=4)) for f16 in (False, True))
     plain_loop, half_loop = max(plain, key=len), max(half, key=len)
     ops = collections.Counter(line.split()[0] for line in half_loop if line.split())
