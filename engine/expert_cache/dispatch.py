@@ -73,7 +73,7 @@ class ExpertDispatcher:
         self._header_np, self._changes_np = self.header.numpy(), self.changes.numpy()  # written by the host
         self.on_device = on_device  # the Triton kernels (CUDA); else torch references and the CPU kernels
         self.stager = LayerStager(host, manager.pools, manager.group_of, manager.slots_of, manager.copies, tier,
-                                  in_place=self._prompts_read_tables()) \
+                                  in_place=self._prompts_read_tables(), spare_bytes=cfg.headroom_mib << 20) \
             if on_device and host else None
         self.kind, self.pairs, self.num_tokens, self.previous_pairs = StepKind.DECODE, 0, 0, 0
         self._resident_ids: list[torch.Tensor] = []

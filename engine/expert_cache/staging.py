@@ -1,9 +1,9 @@
 """Prefill's expert staging (CUDA): a large batch uses nearly every expert of a layer, so each host layer's
-uncached experts are copied into one of two VRAM buffers on the copy stream, the next layer's copy running while
-the current layer computes (double buffering), in runs of consecutive experts from pinned host memory (one copy
-per run and part: the copy engine's, which leaves the multiprocessors to the layer's kernels). A layer whose experts
-are all cached and read in place copies nothing and takes no buffer: the next layer that copies is staged while it
-computes.
+uncached experts are copied into a VRAM buffer on the copy stream while the layers before it compute, in runs of
+consecutive experts from pinned host memory (one copy per run and part: the copy engine's, which leaves the
+multiprocessors to the layer's kernels). Two buffers at least (double buffering); where the device has memory to
+spare past the cache's headroom, up to `MAX_BUFFERS`, so that the link keeps copying layers ahead while layers whose
+experts are all cached compute (those copy nothing and take no buffer).
 
 Cached experts are read where they are (`in_place`): the staged layer's tables (`tables`) address each cached
 expert in its slot and each other one in the buffer, for kernels that find experts through such tables (the fused
@@ -17,6 +17,7 @@ tier a slot pool's worth at a time, each copy waited for before the tier refills
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -33,21 +34,27 @@ if TYPE_CHECKING:
 GATHER_RUNS = 8  # runs of a layer past which its staging is one gather launch a part, not a copy call a run
 # NOTE: a layer of 128 experts half cached in place has ~32 uncached runs: copies of 2-3 MB on the copy engine
 IN_PLACE_GATHER_RUNS = 64
+# layers staged ahead at most (a buffer each): a prompt's first half of layers all cached left the link idle for 44 of
+# its 205 ms with two buffers (Qwen3-30B-A3B's shapes, pp512, a 50% cache, H100: docs/benchmarks.md)
+MAX_BUFFERS = 8
 
 
 class LayerStager:
     def __init__(self, host: Mapping[int, ExpertWeights], pools: Mapping[int, ExpertWeights],
                  group_of: Mapping[int, int], slots_of: Callable[[int], list[int]], copies: CopyEngine,
-                 tier: RamTier | None = None, in_place: bool = False) -> None:
+                 tier: RamTier | None = None, in_place: bool = False, spare_bytes: int | None = None) -> None:
         """slots_of(layer): the slot (or -1) of each of the layer's experts, as published now. tier: the layers on
         disk (their `host` banks are the map's views, never read). in_place: cached experts are read in their slots
-        through `tables`, not copied."""
+        through `tables`, not copied. spare_bytes: the device memory a third or later buffer must leave free (None:
+        two buffers only)."""
         self.host, self.pools, self.group_of, self.slots_of, self.copies = host, pools, group_of, slots_of, copies
-        self.tier, self.in_place = tier, in_place
+        self.tier, self.in_place, self.spare_bytes = tier, in_place, spare_bytes
         self.gather_runs = IN_PLACE_GATHER_RUNS if in_place else GATHER_RUNS
         self.order = sorted(host)
-        self.buffers: dict[tuple, list[ExpertWeights]] = {}  # bank shape -> its two buffers
-        self.turn: dict[tuple, int] = {}
+        # bank shape -> its buffers, the one filled longest ago first
+        # NOTE: a buffer is refilled only after the layer it held was handed out (`bank`): fewer layers in `ready`
+        # hold buffers of a shape than it has, and they are the last ones filled
+        self.buffers: dict[tuple, deque[ExpertWeights]] = {}
         self.free: dict[int, torch.cuda.Event] = {}  # id(buffer) -> recorded after its last reader
         # layer -> (buffer, copied); a layer that copies nothing: (its host bank, None)
         self.ready: dict[int, tuple[ExpertWeights, torch.cuda.Event | None]] = {}
@@ -69,15 +76,16 @@ class LayerStager:
         return buffer
 
     def _stage_next(self, layer: int) -> None:
-        """Start copying the next host layer after `layer` that copies anything: one whose experts are all read in
-        their slots takes no buffer, so the link stages the next one across cached layers. A layer on disk stops it."""
+        """Start copying the host layers after `layer` that copy anything, as many as there are buffers for: one whose
+        experts are all read in their slots takes no buffer, so the link stages layers across cached ones. A layer on
+        disk stops it."""
         for following in self.order[self.order.index(layer) + 1:]:
             if self._on_disk(following):
                 return
             if following not in self.ready:
+                if self.copied_runs(following) and not self._has_buffer(self.host[following]):
+                    return
                 self._upload(following)
-            if self.ready[following][1] is not None:
-                return
 
     def release(self, buffer: ExpertWeights) -> None:
         """The compute stream has queued its last read of `buffer`: it may be refilled after that (a layer that
@@ -187,9 +195,35 @@ class LayerStager:
                 runs.append((expert, expert + 1, slot))
         return runs
 
+    def _has_buffer(self, like: ExpertWeights) -> bool:
+        """Whether a layer like `like` can be staged now: a buffer of its shape holds no staged layer, or one more
+        may be made."""
+        pool = self.buffers.get(_key(like), deque())
+        return self._held(pool) < len(pool) or self._may_grow(like, pool)
+
+    def _held(self, pool: deque[ExpertWeights]) -> int:
+        """Buffers of `pool` that hold a staged layer not yet handed out."""
+        return sum(1 for buffer, copied in self.ready.values() if copied is not None and any(buffer is b for b in pool))
+
+    def _may_grow(self, like: ExpertWeights, pool: deque[ExpertWeights]) -> bool:
+        if len(pool) < 2:
+            return True
+        if self.spare_bytes is None or len(pool) >= MAX_BUFFERS or self.copies.device.type != "cuda":
+            return False
+        size = sum(t.nbytes for t in expert_parts(like, slice(None)))
+        return torch.cuda.mem_get_info(self.copies.device)[0] - size >= self.spare_bytes
+
     def _next_buffer(self, like: ExpertWeights) -> ExpertWeights:
-        key = (bank_shape(like), like.gate.shape[0])
-        if key not in self.buffers:
-            self.buffers[key] = [empty_bank(like, like.gate.shape[0], self.copies.device) for _ in range(2)]
-        self.turn[key] = 1 - self.turn.get(key, 1)
-        return self.buffers[key][self.turn[key]]
+        """A buffer for the next staged layer: a new one where every buffer holds a staged layer, else the one filled
+        longest ago."""
+        pool = self.buffers.setdefault(_key(like), deque())
+        if self._held(pool) == len(pool):
+            assert self._may_grow(like, pool), "a layer is staged only where a buffer is free or can be made"
+            pool.append(empty_bank(like, like.gate.shape[0], self.copies.device))
+        else:
+            pool.rotate(-1)
+        return pool[-1]
+
+
+def _key(bank: ExpertWeights) -> tuple:
+    return bank_shape(bank), bank.gate.shape[0]

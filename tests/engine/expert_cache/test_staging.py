@@ -8,9 +8,10 @@ from __future__ import annotations
 import ctypes
 from dataclasses import replace
 
+import pytest
 import torch
 
-from engine.expert_cache.device import CopyEngine, expert_parts
+from engine.expert_cache.device import CopyEngine, empty_bank, expert_parts
 from engine.expert_cache.staging import LayerStager
 from ops.bank import ExpertWeights
 from ops.expert_math import ExpertMath
@@ -75,3 +76,34 @@ def test_a_layer_read_wholly_in_place_takes_no_buffer() -> None:
         part = expert_parts(pool, slot)[0]
         assert ctypes.string_at(int(tables.gate_ptrs[expert]), part.numel()) == part.numpy().tobytes()
     stager.finish()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spare", [None, 0], ids=["two-buffers", "memory-to-spare"])
+def test_layers_after_cached_ones_are_staged_as_far_ahead_as_buffers_allow(spare: int | None) -> None:
+    """A prompt's first two host layers wholly cached, the next four not: handing out the first stages the four
+    uncached layers at once where the device has memory to spare (a buffer each), two without; each layer then holds
+    its own experts, also in a second prompt that refills the buffers, the one filled longest ago first."""
+    cuda = torch.device("cuda")
+    host = {layer: ExpertWeights(*(t.pin_memory() for t in expert_parts(b, slice(None))), b.gate_type, b.up_type,
+                                 b.down_type, b.hidden, b.ff) for layer, b in ((x, bank(4, x)) for x in range(6))}
+    pool = empty_bank(host[0], 8, cuda)
+    for layer in (0, 1):
+        for dst, src in zip(expert_parts(pool, slice(4 * layer, 4 * layer + 4)),
+                            expert_parts(host[layer], slice(None))):
+            dst.copy_(src)
+    slots = {layer: [4 * layer + e for e in range(4)] if layer < 2 else [-1] * 4 for layer in range(6)}
+    stager = LayerStager(host, {0: pool}, dict.fromkeys(host, 0), lambda layer: slots[layer], CopyEngine(cuda),
+                         in_place=True, spare_bytes=spare)
+    for _ in range(2):  # two prompts
+        stager.release(stager.bank(0))
+        ahead = [layer for layer, (_, copied) in stager.ready.items() if copied is not None]
+        assert ahead == ([2, 3, 4, 5] if spare == 0 else [2, 3])
+        for layer in range(1, 6):
+            buffer = stager.bank(layer)
+            if layer >= 2:
+                for got, want in zip(expert_parts(buffer, slice(None)), expert_parts(host[layer], slice(None))):
+                    assert torch.equal(got.cpu(), want), f"layer {layer}"
+            stager.release(buffer)
+        stager.finish()
+        assert len(next(iter(stager.buffers.values()))) == (4 if spare == 0 else 2)
