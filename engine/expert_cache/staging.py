@@ -55,6 +55,7 @@ class LayerStager:
         # NOTE: a buffer is refilled only after the layer it held was handed out (`bank`): fewer layers in `ready`
         # hold buffers of a shape than it has, and they are the last ones filled
         self.buffers: dict[tuple, deque[ExpertWeights]] = {}
+        self.most: dict[tuple, int] = {}  # bank shape -> the buffers the device had memory for
         self.free: dict[int, torch.cuda.Event] = {}  # id(buffer) -> recorded after its last reader
         # layer -> (buffer, copied); a layer that copies nothing: (its host bank, None)
         self.ready: dict[int, tuple[ExpertWeights, torch.cuda.Event | None]] = {}
@@ -206,12 +207,17 @@ class LayerStager:
         return sum(1 for buffer, copied in self.ready.values() if copied is not None and any(buffer is b for b in pool))
 
     def _may_grow(self, like: ExpertWeights, pool: deque[ExpertWeights]) -> bool:
+        """Two buffers always; more while the device keeps spare_bytes free (asked until it first says no)."""
         if len(pool) < 2:
             return True
-        if self.spare_bytes is None or len(pool) >= MAX_BUFFERS or self.copies.device.type != "cuda":
+        if self.spare_bytes is None or len(pool) >= self.most.get(_key(like), MAX_BUFFERS) or \
+                self.copies.device.type != "cuda":
             return False
         size = sum(t.nbytes for t in expert_parts(like, slice(None)))
-        return torch.cuda.mem_get_info(self.copies.device)[0] - size >= self.spare_bytes
+        if torch.cuda.mem_get_info(self.copies.device)[0] - size >= self.spare_bytes:
+            return True
+        self.most[_key(like)] = len(pool)
+        return False
 
     def _next_buffer(self, like: ExpertWeights) -> ExpertWeights:
         """A buffer for the next staged layer: a new one where every buffer holds a staged layer, else the one filled
