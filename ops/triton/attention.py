@@ -52,11 +52,11 @@ class SplitLaunch:
 
 
 # (K bits, V bits) -> the launch; pairs not listed take SplitLaunch(). The fastest at 32k positions of
-# .ci/gpu-kv-sweep.py on an H100, one layer's cache replayed (docs/benchmarks.md, 2026-12-07 ninth lease): q8_0 34.3
-# us (default 46.1), q4_0 33.1 us (default 38.7), bf16's default 33.8 us; decode at 32k: q8_0 0.85x -> 0.94x bf16,
-# q4_0 0.92x -> 0.96x.
+# .ci/gpu-kv-sweep.py on an H100 (docs/benchmarks.md, 2026-12-07): q8_0 with float16 tiles 35.2 us over caches past L2
+# (plain tiles 39.3, the default 49.4; bf16's default 33.1), decode at 32k 0.973x bf16; q4_0 33.1 us over one layer's
+# cache replayed (default 38.7), decode at 32k 0.952x.
 SPLIT_LAUNCH: dict[tuple[int, int], SplitLaunch] = {
-    (8, 8): SplitLaunch(block_n=64, num_warps=4, num_stages=3),
+    (8, 8): SplitLaunch(block_n=128, num_warps=8, num_stages=3, f16_tiles=True),
     (4, 4): SplitLaunch(block_n=128, num_warps=4, num_stages=3),
 }
 
