@@ -22,10 +22,9 @@
 #   8: issue 19's KV types: the decode attention's launches timed at 32k positions and 32k-token decodes with the
 #      fastest of each type (.ci/gpu-kv-sweep.py, SWEEP_S seconds of sweep, default 150), then the KL divergence of
 #      q8_0 and q4_0 KV against bf16 (`moecache perplexity`, 2 chunks of 8,192 tokens of the package's corpus).
-#   9: what 2026-12-07's tenth lease left untimed, after `1`: gpt-oss-20b's resident decode with planar MXFP4 beside
-#      llama.cpp's `-ngl 99` row and the decode kernels' default shapes, GGUF's MXFP4 against planar
-#      (.ci/gpu-expert-sweep.py), the decode attention's launches over caches past L2 (.ci/gpu-kv-sweep.py, QUICK), and
-#      the 50% prompt's link timeline (.ci/gpu-prefill-profile.py, bench's warm start).
+#   9: what 2026-12-07's twelfth lease left untimed, after `1`: the prompt's staging as far ahead as buffers allow (its
+#      GPU test, then the 50% prompt's link timeline, .ci/gpu-prefill-profile.py), then issue 17's rows of the three
+#      presets in one lease (.ci/gpu-models.sh: llama.cpp's -ngl 99 and -ncmoe L/2, moecache resident, no cache, 50%).
 # Every log and JSON of the lease so far comes back in $OUT/gpu-logs.tgz. Usage: .ci/gpu-final.sh 1 | 2 | ... | 9
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -210,12 +209,9 @@ print(sum(t.num_bytes for t in GGUFFile('$M') if '_exps' in t.name) // 2 >> 20)"
   ;;
 9)
   M=/tmp/qwen3moe-30b-a3b.gguf
-  PLACEMENTS=resident LLAMA_ROWS=resident bash .ci/gpu-models.sh gpt-oss-20b 2>&1 | tail -8
-  ONLY=gpt-oss PYTHONPATH=/tmp/site:$PWD timeout 120 python3 .ci/gpu-expert-sweep.py 60 > "$LOGS/expert-sweep.log" 2>&1
-  grep -E "^(==|  1 )" "$LOGS/expert-sweep.log" | grep -E "gpt-oss|==" | head -20
-  QUICK=1 PYTHONPATH=/tmp/site:$PWD timeout 240 python3 .ci/gpu-kv-sweep.py 32768 60 $M 2>&1 \
-    | tee "$LOGS/kv-sweep.log" | grep -E "^(==|\|| +[0-9.]+ us|[a-z0-9_]+: default)"
+  pytest_gpu staging 60 tests/engine/expert_cache/test_staging.py
   ROUTING=model PROFILE=$PROFILE PYTHONPATH=/tmp/site:$PWD timeout 150 python3 .ci/gpu-prefill-profile.py $M 512 50% \
     2>&1 | tee "$LOGS/prefill-profile.log" | grep -E "^(==|  +[0-9]| +link)" | head -40
+  bash .ci/gpu-models.sh 2>&1 | grep -E "^(==|\|)"
   ;;
 esac
