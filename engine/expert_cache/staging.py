@@ -69,7 +69,7 @@ class LayerStager:
             assert used is not None, "a layer on disk stages the experts the batch uses"
             self._upload_from_disk(layer, self.tier, used)
         elif layer not in self.ready:
-            self._upload(layer)
+            self._upload(layer, self.copied_runs(layer))
         self._stage_next(layer)
         buffer, copied = self.ready.pop(layer)
         if copied is not None:
@@ -84,9 +84,10 @@ class LayerStager:
             if self._on_disk(following):
                 return
             if following not in self.ready:
-                if self.copied_runs(following) and not self._has_buffer(self.host[following]):
+                runs = self.copied_runs(following)
+                if runs and not self._has_buffer(self.host[following]):
                     return
-                self._upload(following)
+                self._upload(following, runs)
 
     def release(self, buffer: ExpertWeights) -> None:
         """The compute stream has queued its last read of `buffer`: it may be refilled after that (a layer that
@@ -126,8 +127,9 @@ class LayerStager:
         return ExpertTables(ptrs[0], ptrs[1], ptrs[2], host.gate_type, host.up_type, host.down_type, host.hidden,
                             host.ff, math)
 
-    def _upload(self, layer: int) -> None:
-        host, runs = self.host[layer], self.copied_runs(layer)
+    def _upload(self, layer: int, runs: list[tuple[int, int, int]]) -> None:
+        """Stage the layer's `runs` (`copied_runs`) into a buffer, or mark it ready in place where there are none."""
+        host = self.host[layer]
         if not runs:  # every expert read in its slot: its tables name no buffer
             self.ready[layer] = (host, None)
             return
