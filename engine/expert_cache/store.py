@@ -15,7 +15,6 @@ from engine.expert_cache.ram_tier import RamTier
 from engine.expert_cache.stats import CacheStats
 from engine.weights import ModelWeights, MoE
 from ops.bank import ExpertWeights, to_planar
-from ops.quants import QType
 
 
 class ExpertStore:
@@ -61,15 +60,10 @@ class ExpertStore:
 
     def resident(self, layer: int) -> ExpertWeights:
         """The layer's experts on the device (the map itself when the device is the CPU); on CUDA its MXFP4
-        matrices planar (`ops.bank.to_planar`: the decode kernels read a block's codes in one vector), unless MXFP4
-        runs on int8 activations (`MOECACHE_INT8_EXPERTS`), whose kernel reads GGUF's blocks."""
+        matrices planar (`ops.bank.to_planar`: the decode kernels read a block's codes in one vector)."""
         if layer not in self._resident:
             bank = bank_to(self._host.get(layer, self.mapped[layer]), self.device)
-            if self.device.type == "cuda":
-                from ops.triton.qdot import reads_int8  # Triton: CUDA only
-
-                bank = bank if reads_int8(QType.MXFP4) else to_planar(bank)
-            self._resident[layer] = bank
+            self._resident[layer] = to_planar(bank) if self.device.type == "cuda" else bank
         return self._resident[layer]
 
     def keep_resident(self, layers: set[int]) -> None:

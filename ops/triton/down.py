@@ -10,7 +10,7 @@ import triton.language as tl  # type: ignore[import-untyped, import-not-found, u
 from ops.triton.checks import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_vector
 from ops.triton.gate_up import bias_rows, warps_for
 from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_for
-from ops.triton.qdot import GROUP, MAGIC, check_planar, has_kernel, kernel_format, rows_dot, step_blocks
+from ops.triton.qdot import GROUP, MAGIC, has_kernel, kernel_format, rows_dot, step_blocks
 from ops.triton.stage import COPY_BLOCK, Fill, fill_rows
 from ops.triton.tables import ExpertTables
 
@@ -87,7 +87,6 @@ def launch_down(h: torch.Tensor, h_sums: torch.Tensor, expert_ids: torch.Tensor,
     blocks a step (`qdot.step_blocks`, 0: its default); spread: an expert's pairs over programs (`pairs`)."""
     if not has_kernel(tables.down_type):
         raise ValueError(f"no down kernel for {tables.down_type.name}")
-    check_planar(tables)
     num_pairs, device = expert_ids.shape[0], tables.device
     check_rows("h", h, (num_pairs, tables.ff), (torch.float32,), device)
     if h.stride(0) % 4 or h.data_ptr() % 16:

@@ -14,7 +14,6 @@ from ops.triton.pairs import chunk_of, expert_pointers, group_of, slots, window_
 from ops.triton.qdot import (
     GROUP,
     MAGIC,
-    check_planar,
     has_kernel,
     kernel_format,
     read_place,
@@ -173,7 +172,6 @@ def launch_gate_up(x_gate: torch.Tensor, x_up: torch.Tensor, x_sums: torch.Tenso
     (`ops.triton.stage`)."""
     if not (has_kernel(tables.gate_type) and has_kernel(tables.up_type)):
         raise ValueError(f"no gate/up kernel for {tables.gate_type.name}/{tables.up_type.name}")
-    check_planar(tables)
     num_pairs, num_tokens, device = expert_ids.shape[0], x_gate.shape[0], tables.device
     for name, t in (("x_gate", x_gate), ("x_up", x_up)):
         check_rows(name, t, (num_tokens, tables.hidden), (torch.float32,), device)

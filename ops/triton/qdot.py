@@ -24,16 +24,12 @@ about 4 instructions a weight.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import triton  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from gguf import GGMLQuantizationType
 
 from ops.bank import PLANAR_ROWS
-
-if TYPE_CHECKING:
-    from ops.triton.tables import ExpertTables
 
 QType = GGMLQuantizationType
 
@@ -76,12 +72,6 @@ EMULATE_DP4A = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 def has_kernel(qtype: QType) -> bool:
     return qtype in KERNEL_TYPES
-
-
-def check_planar(tables: ExpertTables) -> None:
-    """Planar MXFP4 is read on float activations only (its kernel has no int8 form)."""
-    if tables.planar and reads_int8(QType.MXFP4):
-        raise ValueError("planar MXFP4 experts need float activations: take MXFP4 out of MOECACHE_INT8_EXPERTS")
 
 
 def kernel_format(qtype: QType, planar: bool) -> int:
@@ -692,12 +682,18 @@ def _b32_acc(acc, macc, lo, hi, ds, dm, lo0, lo1, hi0, hi1, dx, xs, KIND: tl.con
 
 
 @triton.jit
-def _b32_words(start, c, valid, i, KIND: tl.constexpr):
+def _b32_words(start, scales, c, valid, i, KIND: tl.constexpr, PLANAR: tl.constexpr):
     """The code words `[BR, NB, W]` of blocks c of rows `start` (int16 pointers, bytes for MXFP4) as (lo, hi), and the
-    blocks' scale / 256 (the scale MXFP4's doubled values take) `[BR, NB]`, 0 for blocks past the row."""
+    blocks' scale / 256 (the scale MXFP4's doubled values take) `[BR, NB]`, 0 for blocks past the row. PLANAR
+    (MXFP4 in `ops.bank.to_planar`'s order): start points at each row's codes (16-byte aligned), scales at its
+    scale bytes."""
     is_in = tl.sum(valid.to(tl.int32), axis=2) > 0
     block = tl.sum(c, axis=2)  # [1, NB]
-    if KIND == 2:  # 17-byte blocks: a word is put together from 4 byte loads of the tile's shape
+    if KIND == 2 and PLANAR:  # a block's 16 code bytes are 4 aligned words: one vector load
+        word = tl.load(start.to(tl.pointer_type(tl.int32))[:, None, None] + 4 * c + i)
+        lo, hi = _e2m1_bytes(word)
+        scale = _e8m0_scale(tl.load(scales[:, None] + block).to(tl.int32)) * (1.0 / 8388608.0)  # 2**-15 / 256
+    elif KIND == 2:  # 17-byte blocks: a word is put together from 4 byte loads of the tile's shape
         first = start[:, None, None] + 17 * c + 1 + 4 * i
         word = tl.load(first).to(tl.int32)
         for k in tl.static_range(1, 4):
@@ -716,11 +712,12 @@ def _b32_words(start, c, valid, i, KIND: tl.constexpr):
 
 @triton.jit
 def _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.constexpr, TWO: tl.constexpr,
-              NB: tl.constexpr, KIND: tl.constexpr):
+              NB: tl.constexpr, KIND: tl.constexpr, sa, sb, PLANAR: tl.constexpr):
     """Rows of blocks of 32 on int8 activations: Q8_0 (KIND 0; 34-byte blocks of int8 codes, w = d q), Q4_0 (1;
     18-byte blocks, byte j's low nibble weight j and high nibble weight 16 + j, w = d (q - 8)) or MXFP4 (2; 17-byte
     blocks, an e8m0 scale then Q4_0's nibble order of e2m1 codes); wa, wb: int16 pointers `[BR]` to each row (byte
-    pointers for MXFP4). Tile `[BR, NB blocks, W words]` (W = 8 for Q8_0, else 4), NB blocks a step (`_blocks`)."""
+    pointers for MXFP4; PLANAR: `_planar_rows`' pointers to the rows' codes, and sa, sb to their scales). Tile
+    `[BR, NB blocks, W words]` (W = 8 for Q8_0, else 4), NB blocks a step (`_blocks`)."""
     W: tl.constexpr = 8 if KIND == 0 else 4
     i = tl.zeros([wa.shape[0], NB, W], tl.int32) + tl.arange(0, W)[None, None, :]  # the weights' shape for x too
     zero = tl.zeros([wa.shape[0], NB], tl.float32)
@@ -728,10 +725,10 @@ def _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K: tl.constexpr, BT: tl.co
     ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3 = zero, zero, zero, zero, zero, zero, zero, zero
     for g in range((K // 32 + NB - 1) // NB):
         c, valid = _blocks(g, K // 32, NB)
-        la, ha, da = _b32_words(wa, c, valid, i, KIND)
+        la, ha, da = _b32_words(wa, sa, c, valid, i, KIND, PLANAR)
         lb, hb, db = la, ha, da
         if TWO:
-            lb, hb, db = _b32_words(wb, c, valid, i, KIND)
+            lb, hb, db = _b32_words(wb, sb, c, valid, i, KIND, PLANAR)
         v = _b32_slot(x0, s0, c, i, K, W)
         a0, ma0 = _b32_acc(a0, ma0, la, ha, da, 2048.0 * da, *v, KIND)
         if TWO:
@@ -842,7 +839,7 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     addr_b (int64, 16-byte aligned, rows of row_bytes, format FMT, K columns) with activation rows
     x0..x3 (pointers to rows prepared for FMT; BT slots used) and their sums per 16 columns s0..s3
     (pointers); magic = 0x4B000000. Nothing is masked: callers clamp rows and point empty slots at a valid row.
-    FMT: `kernel_format`'s (MXFP4_PLANAR: MXFP4 in `ops.bank.to_planar`'s order, on float activations).
+    FMT: `kernel_format`'s (MXFP4_PLANAR: MXFP4 in `ops.bank.to_planar`'s order).
     BLOCKS (Q8_0, Q4_0, MXFP4; Q4_K reads BLOCKS / 8 super-blocks a step, at least one; Q5_K and Q6_K one): blocks
     of 32 a step, a power of two (`step_blocks`); a row that BLOCKS does not divide ends in a step whose blocks past
     the row are read and weighted 0. x0..x3 of an `INT8_TYPES` format are rows in `prepare.prepare_block`'s planes.
@@ -862,12 +859,15 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
     elif FMT == MXFP4_PLANAR:
         ca, sa = _planar_rows(addr_a, rows, row_bytes, K)
         cb, sb = _planar_rows(addr_b, rows, row_bytes, K)
-        out = _mxfp4_rows(ca, sa, cb, sb, x0, x1, x2, x3, K, BT, TWO, BLOCKS, True)
+        if MXFP4_INT8:
+            out = _b32_rows(ca, cb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, BLOCKS, 2, sa, sb, True)
+        else:
+            out = _mxfp4_rows(ca, sa, cb, sb, x0, x1, x2, x3, K, BT, TWO, BLOCKS, True)
     elif FMT == MXFP4:
         wa = addr_a.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         wb = addr_b.to(tl.pointer_type(tl.uint8)) + rows * row_bytes
         if MXFP4_INT8:
-            out = _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, BLOCKS, 2)
+            out = _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, BLOCKS, 2, wa, wb, False)
         else:
             out = _mxfp4_rows(wa, wa, wb, wb, x0, x1, x2, x3, K, BT, TWO, BLOCKS, False)
     else:
@@ -875,7 +875,8 @@ def rows_dot(addr_a, addr_b, rows, row_bytes, x0, x1, x2, x3, s0, s1, s2, s3, ma
         wa = addr_a.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         wb = addr_b.to(tl.pointer_type(tl.int16)) + rows * (row_bytes // 2)
         if (FMT == Q8_0 and Q80_INT8) or (FMT == Q4_0 and Q40_INT8):
-            out = _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, BLOCKS, 1 if FMT == Q4_0 else 0)
+            out = _b32_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, K, BT, TWO, BLOCKS, 1 if FMT == Q4_0 else 0,
+                            wa, wb, False)
         elif FMT == Q8_0:
             out = _q80_rows(wa, wb, x0, x1, x2, x3, s0, s1, s2, s3, magic, K, BT, TWO,
                             BLOCKS)
