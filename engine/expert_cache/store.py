@@ -27,6 +27,9 @@ class ExpertStore:
         self.hparams = weights.hparams
         self.mapped = {i: ffn.experts for i in weights.moe_layers  # views of the map
                        if isinstance(ffn := weights.layers[i].ffn, MoE)}
+        # NOTE: a layer's resident experts go to its router's device (a split model's layers are on several)
+        self.layer_device = {i: ffn.router.device for i in weights.moe_layers
+                             if isinstance(ffn := weights.layers[i].ffn, MoE)}
         self.release = release or (lambda address, length: None)
         self.locate = locate
         self._host: dict[int, ExpertWeights] = {}
@@ -64,7 +67,7 @@ class ExpertStore:
         matrices planar (`ops.bank.to_planar`: the decode kernels read a block's codes in one vector), unless MXFP4
         runs on int8 activations (`MOECACHE_INT8_EXPERTS`), whose kernel reads GGUF's blocks."""
         if layer not in self._resident:
-            bank = bank_to(self._host.get(layer, self.mapped[layer]), self.device)
+            bank = bank_to(self._host.get(layer, self.mapped[layer]), self.layer_device[layer])
             if self.device.type == "cuda":
                 from ops.triton.qdot import reads_int8  # Triton: CUDA only
 
