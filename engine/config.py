@@ -6,6 +6,8 @@ commands that run an engine, with the field's default and the metadata's `help` 
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 from ops.kv_quant import KV_CACHE_TYPES
@@ -15,6 +17,7 @@ POLICIES = ("lru", "decay", "lfru", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DENSE_WEIGHTS = ("auto", "q8_0", "dtype")
 DECODE_AHEAD = ("auto", "on", "off")
+DEVICE_NAME = re.compile(r"cpu|cuda:\d+")  # one entry of --devices
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,13 @@ class ModelConfig:
         "FFNs, output): q8_0 keeps those the file holds as Q8_0 so (half the bytes), dtype dequantizes every one "
         "to --dtype, auto keeps the output matrix as Q8_0 on cuda (its kernel reads it faster than the bf16 "
         "copy; the smaller matrices are faster in bf16)"})
+    devices: str | None = field(default=None, metadata={  # None: the one device of --device
+        "flag": "--devices", "metavar": "LIST", "help": "several devices of one kind, e.g. cuda:0,cuda:1: the layers "
+        "split across them in contiguous ranges, each with its own expert cache (steps that span several CUDA "
+        "devices run without CUDA graphs)"})
+    tensor_split: str | None = field(default=None, metadata={  # None: by each device's free memory
+        "flag": "--tensor-split", "metavar": "A,B", "help": "shares of the layers each device of --devices takes "
+        "(default: in proportion to each device's free memory)"})
     cuda_graphs: bool = True  # decode steps as CUDA graphs where no host sync is needed
 
     def __post_init__(self) -> None:
@@ -76,6 +86,48 @@ class ModelConfig:
         for name in (self.kv_cache_dtype, self.cache_type_k, self.cache_type_v):
             if name is not None and name not in KV_CACHE_TYPES:
                 raise ValueError(f"KV cache type must be one of {', '.join(KV_CACHE_TYPES)} (got {name!r})")
+        self._check_devices()
+
+    def _check_devices(self) -> None:
+        if self.devices is not None:
+            if self.device != "auto":
+                raise ValueError("give --device or --devices, not both")
+            names = self.device_names
+            bad = [name for name in names if not DEVICE_NAME.fullmatch(name)]
+            if bad or not names:
+                raise ValueError(f"--devices takes a comma-separated list of cpu or cuda:N (got {self.devices!r})")
+            # NOTE: a device may be named twice: the split's code path on one device (tests)
+            if len({name.split(":")[0] for name in names}) > 1:
+                raise ValueError(f"--devices are all cuda or all cpu (got {self.devices!r})")
+        if self.tensor_split is not None:
+            self._check_tensor_split()
+
+    def _check_tensor_split(self) -> None:
+        if self.devices is None:
+            raise ValueError("--tensor-split shares the layers between the devices of --devices: give --devices")
+        try:
+            shares = self.split_shares or ()
+        except ValueError:
+            raise ValueError(f"--tensor-split takes comma-separated numbers (got {self.tensor_split!r})") from None
+        if len(shares) != len(self.device_names):
+            raise ValueError(f"--tensor-split has {len(shares)} shares for {len(self.device_names)} devices "
+                             f"(got {self.tensor_split!r})")
+        if not all(share > 0 and math.isfinite(share) for share in shares):
+            raise ValueError(f"--tensor-split shares must be positive numbers (got {self.tensor_split!r})")
+
+    @property
+    def device_names(self) -> tuple[str, ...]:
+        """--devices as a tuple; the one --device (maybe `auto`) without it."""
+        if self.devices is None:
+            return (self.device,)
+        return tuple(name.strip() for name in self.devices.split(","))
+
+    @property
+    def split_shares(self) -> tuple[float, ...] | None:
+        """--tensor-split as numbers; None without it."""
+        if self.tensor_split is None:
+            return None
+        return tuple(float(share) for share in self.tensor_split.split(","))
 
     @property
     def kv_types(self) -> tuple[str, str]:

@@ -11,6 +11,8 @@ values are one tensor) is kept unquantized."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
 from engine.arch.base import HParams
@@ -26,44 +28,60 @@ GIB = 1 << 30
 
 class KVCache:
     def __init__(self, shapes: list[LayerShape], num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device, latent_values: int = 0, k_type: str = "bf16", v_type: str = "bf16") -> None:
+                 device: torch.device, latent_values: int = 0, k_type: str = "bf16", v_type: str = "bf16",
+                 stages: Sequence[tuple[range, torch.device]] | None = None) -> None:
         """latent_values > 0: keys and values share one tensor (multi-head latent attention caches each token's
         latent once): the values are the keys' first `latent_values` columns. k_type, v_type: the K and V
-        rows' types (`ops.kv_quant.KV_CACHE_TYPES`)."""
+        rows' types (`ops.kv_quant.KV_CACHE_TYPES`). stages: the layers' devices where they are several (each range's
+        layers cached on its device)."""
         self.k_qtype, self.v_qtype = kv_qtype(k_type), kv_qtype(v_type)
         if latent_values and (self.k_qtype is not None or self.v_qtype is not None):
             raise ValueError(f"a latent KV cache (keys and values in one tensor) is kept in bf16: "
                              f"got K {k_type}, V {v_type} ({KV_TYPE_FLAGS})")
         self.num_slots, self.max_len, self.is_latent = num_slots, max_len, latent_values > 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.storage: list[torch.Tensor] = []
+        for layers, on in stages or [(range(len(shapes)), device)]:
+            self._allocate([shapes[i] for i in layers], dtype, on, latent_values)
 
+    def _allocate(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device, latent_values: int) -> None:
+        """The caches of consecutive layers on one device, appended."""
         def new(heads: int, dim: int, n: int, qtype: QType | None) -> torch.Tensor:
-            return zeros((n, num_slots, heads, max_len), qtype, dim, dtype, device)
+            return zeros((n, self.num_slots, heads, self.max_len), qtype, dim, dtype, device)
 
         if len(set(shapes)) == 1:  # one tensor for all layers
             k = new(*shapes[0], len(shapes), self.k_qtype)
             v = k[..., :latent_values] if latent_values else new(*shapes[0], len(shapes), self.v_qtype)
-            self.storage = [k] if latent_values else [k, v]
-            self.k, self.v = list(k.unbind(0)), list(v.unbind(0))
+            self.storage += [k] if latent_values else [k, v]
+            self.k += k.unbind(0)
+            self.v += v.unbind(0)
         else:
-            self.k = [new(heads, dim, 1, self.k_qtype)[0] for heads, dim in shapes]
-            self.v = [new(heads, dim, 1, self.v_qtype)[0] for heads, dim in shapes]
-            self.storage = self.k + self.v
+            keys = [new(heads, dim, 1, self.k_qtype)[0] for heads, dim in shapes]
+            values = [new(heads, dim, 1, self.v_qtype)[0] for heads, dim in shapes]
+            self.k, self.v, self.storage = self.k + keys, self.v + values, self.storage + keys + values
 
     @classmethod
     def for_model(cls, hp: HParams, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                  k_type: str = "bf16", v_type: str = "bf16") -> KVCache:
+                  k_type: str = "bf16", v_type: str = "bf16",
+                  stages: Sequence[tuple[range, torch.device]] | None = None) -> KVCache:
         """The cache of a model's layout; a quantized K or V type where the layout keeps its cache
         unquantized (MLA's latent cache) is a ValueError naming the layout and the flags."""
         check_kv_types(hp, k_type, v_type)
         if hp.mla is not None:  # [latent, rotary key] per token and layer
             return cls([(1, hp.mla.latent_dim)] * hp.num_layers, num_slots, max_len, dtype, device,
-                       hp.mla.kv_lora_rank)
+                       hp.mla.kv_lora_rank, stages=stages)
         shapes = [(hp.kv_heads_of(i) if hp.kv_layer(i) == i else 0, hp.head_dim_of(i)) for i in range(hp.num_layers)]
-        return cls(shapes, num_slots, max_len, dtype, device, 0, k_type, v_type)
+        return cls(shapes, num_slots, max_len, dtype, device, 0, k_type, v_type, stages)
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.storage)
+
+    def layer_bytes(self, layer: int) -> int:
+        """Bytes of one layer's keys and values (a latent cache's one tensor once)."""
+        k, v = self.k[layer], self.v[layer]
+        return k.numel() * k.element_size() + (0 if self.is_latent else v.numel() * v.element_size())
 
     @property
     def qtypes(self) -> tuple[QType | None, QType | None]:
@@ -101,19 +119,21 @@ def check_kv_types(hp: HParams, k_type: str, v_type: str) -> None:
 
 
 def kv_cache_bytes(hp: HParams, num_slots: int, max_len: int, dtype: torch.dtype, k_type: str = "bf16",
-                   v_type: str = "bf16") -> int:
+                   v_type: str = "bf16", layers: Iterable[int] | None = None) -> int:
     """Device bytes of a model's cache of these slots, positions and K / V types (dtype: the activation
-    dtype), counted on the meta device: nothing is allocated. Refuses what `KVCache.for_model` refuses."""
-    return KVCache.for_model(hp, num_slots, max_len, dtype, torch.device("meta"), k_type, v_type).num_bytes
+    dtype), counted on the meta device: nothing is allocated. Refuses what `KVCache.for_model` refuses.
+    layers: only theirs (one device's share of a split model)."""
+    cache = KVCache.for_model(hp, num_slots, max_len, dtype, torch.device("meta"), k_type, v_type)
+    return cache.num_bytes if layers is None else sum(cache.layer_bytes(i) for i in layers)
 
 
 def check_kv_fits(hp: HParams, max_num_seqs: int, max_len: int, dtype: torch.dtype, kv_types: tuple[str, str],
-                  free_bytes: int | None) -> None:
+                  free_bytes: int | None, layers: range | None = None, device: str = "the device") -> None:
     """A KV cache larger than the device's free memory (None: the host's, not checked) is a ValueError naming its
-    size and the options that set it, before the allocation fails."""
-    size = kv_cache_bytes(hp, max_num_seqs + 1, max_len, dtype, *kv_types)
+    size and the options that set it, before the allocation fails. layers: the device's (a split model)."""
+    size = kv_cache_bytes(hp, max_num_seqs + 1, max_len, dtype, *kv_types, layers=layers)
     if free_bytes is not None and size > free_bytes:
         raise ValueError(
             f"the KV cache needs {size / GIB:.1f} GiB ({max_num_seqs} sequences of {max_len} positions and a scratch "
-            f"slot; K {kv_types[0]}, V {kv_types[1]}) and the device has {free_bytes / GIB:.1f} GiB free after the "
+            f"slot; K {kv_types[0]}, V {kv_types[1]}) and {device} has {free_bytes / GIB:.1f} GiB free after the "
             f"weights: lower --max-num-seqs or -c/--ctx-size, or quantize it ({KV_TYPE_FLAGS} q8_0 or q4_0)")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.arch import get_arch
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.detok import TextOutput
 from engine.expert_cache.cache import ExpertCache, build_expert_cache
 from engine.expert_cache.dispatch import StepTicket
@@ -23,6 +23,7 @@ from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
 from engine.kv_cache import KVCache, check_kv_fits, check_kv_types
+from engine.layer_split import LayerSplit, split_layers
 from engine.model import Model, SeqSpan
 from engine.moe import Router
 from engine.runner import ModelRunner
@@ -39,6 +40,32 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def resolve_devices(config: ModelConfig) -> tuple[torch.device, ...]:
+    """The engine's devices: those of --devices, else the one of --device. NOTE: the one place that chooses them: a
+    model is split across GPUs only where --devices names them; spreading a model that does not fit one GPU over
+    every visible GPU would be decided here."""
+    return tuple(resolve_device(name) for name in config.device_names)
+
+
+def split_layers_across(config: ModelConfig, devices: tuple[torch.device, ...], gguf: GGUFFile) -> LayerSplit | None:
+    """The model's layers in ranges on several devices: in proportion to --tensor-split, else to each GPU's free
+    memory (CPUs: evenly); None for one device."""
+    if len(devices) == 1:
+        return None
+    num_layers = get_arch(gguf.architecture).hparams(gguf.metadata, vocab_size=0).num_layers
+    shares = config.split_shares or tuple(float(torch.cuda.mem_get_info(d)[0]) if d.type == "cuda" else 1.0
+                                          for d in devices)
+    return LayerSplit(tuple(str(d) for d in devices), split_layers(num_layers, shares), num_layers)
+
+
+def join_streams(devices: tuple[torch.device, ...]) -> None:
+    """CUDA: the last device's stream waits for every other device's (the step's work and its record's copy there),
+    so that an event recorded on it, or a sync of it, covers the whole step."""
+    last = torch.cuda.current_stream(devices[-1])
+    for device in devices[:-1]:
+        last.wait_stream(torch.cuda.current_stream(device))
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -100,23 +127,31 @@ class LLMEngine:
         if config.model.kv_types != ("bf16", "bf16"):  # a type the model's layout refuses, before the weights load
             check_kv_types(get_arch(self.gguf.architecture).hparams(self.gguf.metadata, vocab_size=0),
                            *config.model.kv_types)
-        self.device = resolve_device(config.model.device)
+        self.devices = resolve_devices(config.model)
+        self.device = self.devices[0]  # the first device (the embedding's; a split model's last has the logits)
+        self.split = split_layers_across(config.model, self.devices, self.gguf)
+        if self.split is not None:
+            log.info("layers split across devices: %s", self.split.describe())
         dtype = resolve_dtype(config.model.dtype, self.device)
         dense = config.model.dense_weights
         keep_q8 = "all" if dense == "q8_0" else "output" if dense == "auto" and self.device.type == "cuda" else "none"
-        self.weights = load_weights(self.gguf, self.device, dtype, _bytes_progress(progress, self.gguf), keep_q8)
+        self.weights = load_weights(self.gguf, self.device, dtype, _bytes_progress(progress, self.gguf), keep_q8,
+                                    self.split)
         hp = self.weights.hparams
         max_len = min(config.model.max_context, hp.context_length)
         sched = replace(config.scheduler, max_model_len=max_len)
         # one slot per sequence, plus a scratch slot for the padding rows of captured batches
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
-        check_kv_fits(hp, sched.max_num_seqs, max_len, dtype, config.model.kv_types, free)
-        self.kv = KVCache.for_model(hp, sched.max_num_seqs + 1, max_len, dtype, self.device, *config.model.kv_types)
+        for layers, device in self._stages():
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+            check_kv_fits(hp, sched.max_num_seqs, max_len, dtype, config.model.kv_types, free,
+                          *((layers, str(device)) if self.split is not None else ()))
+        self.kv = KVCache.for_model(hp, sched.max_num_seqs + 1, max_len, dtype, self.device, *config.model.kv_types,
+                                    stages=self._stages() if self.split is not None else None)
         self.store = ExpertStore(self.weights, self.device, release=self.gguf.release_pages, locate=self.gguf.locate)
         self.scheduler = Scheduler(sched)
         self.cache: ExpertCache = self._build_cache(config.cache)
         self.launches_async = self._launches_async()
-        self.model = Model(self.weights, self.cache.dispatcher)
+        self.model = Model(self.weights, self.cache.dispatcher, split=self.split)
         self.runner = self._make_runner()
         self.states: dict[str, RequestState] = {}  # the scheduler's requests, by id
         self.traces = RequestTraces(hp.num_experts, tuple(self.weights.moe_layers), hp.top_k) \
@@ -133,6 +168,12 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
+
+    def _stages(self) -> list[tuple[range, torch.device]]:
+        """Each device's range of layers (one device: all of them)."""
+        if self.split is None:
+            return [(range(self.weights.hparams.num_layers), self.device)]
+        return list(zip(self.split.ranges, self.devices, strict=True))
 
     # -- requests ---------------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -154,7 +195,8 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.stop_token_ids
         seq = self.scheduler.add(request, frozenset(stop_ids))  # a running request's id is refused here
-        sampling = SamplingState(params, request.prompt_ids, seq.output_ids, make_generator(params.seed, self.device))
+        generator = make_generator(params.seed, self.devices[-1])  # where the logits are
+        sampling = SamplingState(params, request.prompt_ids, seq.output_ids, generator)
         text = TextOutput(self.tokenizer, params.stop, request.prompt_ids)
         self.states[request.request_id] = RequestState(sampling, text,
                                                        None if params.prompt_logprobs is None else [])
@@ -239,7 +281,8 @@ class LLMEngine:
             launched.host_tokens.copy_(launched.tokens, non_blocking=True)
         if self.device.type == "cuda":
             launched.done = torch.cuda.Event()
-            launched.done.record()  # after the step, its record's copy and its tokens' copy
+            # after the step, its record's copy and its tokens' copy (`join_streams`: on every device)
+            launched.done.record(torch.cuda.current_stream(self.devices[-1]))
         return launched
 
     def _read(self, launched: _Launched) -> StepOutput:
@@ -331,7 +374,7 @@ class LLMEngine:
         logits, ticket = self._launch_forward(spans, token_ids, keys, logits_from)
         consume(logits)
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # NOTE: the step record is complete
+            torch.cuda.current_stream(self.devices[-1]).synchronize()  # NOTE: the step record is complete
         return self.cache.step_done(ticket)  # this step's record, processed while the next step runs
 
     def _launch_forward(self, spans: list[SeqSpan], token_ids: list[list[int]], keys: list[str],
@@ -344,6 +387,8 @@ class LLMEngine:
         self.cache.prepare_step(len(keys))  # a. the table changes decided during the last step, for the device
         logits = self.runner.forward(spans, token_ids, logits_from, feed)  # b. launched
         ticket = self.cache.launched()
+        if self.split is not None and self.device.type == "cuda":
+            join_streams(self.devices)
         if on_launched is not None:
             on_launched()
         # c. while the device computes: the previous step's cache bookkeeping, the router's work ahead
@@ -396,8 +441,9 @@ class LLMEngine:
             raise RuntimeError("the cache can only be replaced while no request runs")
         summary = self.cache.close()
         self.config = replace(self.config, cache=cache)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        for device in self.devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         self.runner.graphs.clear()  # graphs captured the old cache's tables and pools
         self.cache = self._build_cache(cache)
         self.model.experts = self.cache.dispatcher
@@ -408,10 +454,11 @@ class LLMEngine:
 
     def _decodes_ahead(self) -> bool:
         """Decode ahead (`step`): `on` wherever the cache decides nothing (`ExpertCache.is_static`: no step's
-        table changes depend on the step before); `auto` there too, on CUDA with the decode steps captured."""
+        table changes depend on the step before); `auto` there too, on CUDA with the decode steps captured. NOTE: one
+        device only: a split model samples on its last device and its next step starts on the first."""
         mode = self.config.scheduler.decode_ahead
-        return self.cache.is_static and (mode == "on" or mode == "auto" and self.launches_async
-                                          and self.runner.use_graphs)
+        return self.split is None and self.cache.is_static and (mode == "on" or mode == "auto" and self.launches_async
+                                                                 and self.runner.use_graphs)
 
     def _launches_async(self) -> bool:
         """Whether a step's device work runs on after `forward` returns: on CUDA, where no layer syncs the host
@@ -419,9 +466,10 @@ class LLMEngine:
         return self.device.type == "cuda" and self.cache.dispatcher.is_graph_safe
 
     def _build_cache(self, cache: CacheConfig) -> ExpertCache:
+        kv_bytes = [sum(self.kv.layer_bytes(i) for i in layers) for layers, _ in self._stages()] \
+            if self.split is not None else [self.kv.num_bytes]
         return build_expert_cache(self.store, cache, self.scheduler.config.max_num_batched_tokens,
-                                  self.weights.moe_layers, self.weights.hparams.num_layers,
-                                  reserved_bytes=self.kv.num_bytes)
+                                  self.weights.moe_layers, self.weights.hparams.num_layers, kv_bytes, self.split)
 
     def _make_runner(self) -> ModelRunner:
         return ModelRunner(self.model, self.kv, self.cache.dispatcher, self.scheduler.config.max_num_seqs,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -14,7 +14,8 @@ from engine.arch.base import YaRN
 from engine.arch.deepseek2 import MLAttention
 from engine.arch.gemma4 import GemmaAttention
 from engine.kv_cache import KVCache
-from engine.layers import swiglu
+from engine.layer_split import LayerSplit
+from engine.layers import swiglu, use_device
 from engine.moe import ExpertExecutor, Router, TopKRouter, moe_forward
 from engine.weights import Attention, DenseFFN, ModelWeights, MoE
 from ops.fused import (
@@ -77,6 +78,16 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The batch with its tensors on `device` (a split model's later devices)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return replace(self, input_ids=move(self.input_ids), positions=move(self.positions),
+                       slot_ids=move(self.slot_ids), logit_rows=move(self.logit_rows),
+                       token_mask=None if self.token_mask is None else move(self.token_mask),
+                       first_chunks=None if self.first_chunks is None else move(self.first_chunks))
+
     @cached_property
     def is_decode(self) -> bool:
         return all(s.num_tokens == 1 for s in self.spans)
@@ -112,24 +123,49 @@ def rope_frequencies(head_dim: int, theta: float, scale: float, device: torch.de
 
 
 class Model:
-    def __init__(self, weights: ModelWeights, experts: ExpertExecutor, router: Router | None = None) -> None:
+    def __init__(self, weights: ModelWeights, experts: ExpertExecutor, router: Router | None = None,
+                 split: LayerSplit | None = None) -> None:
+        """split: the layers' devices where they are several (`load_weights` placed each layer on its own)."""
         self.w, self.hp, self.arch, self.experts = weights, weights.hparams, weights.arch, experts
         self.router: Router = router or TopKRouter.of(weights)
-        hp, device = self.hp, weights.embed.device
-        self.inv_freq = rope_frequencies(hp.rope_dim, hp.rope_theta, hp.rope_scale, device, hp.yarn)
-        if weights.rope_factors is not None:  # Gemma 4's proportional rope on its full-attention layers
-            self.inv_freq = self.inv_freq / weights.rope_factors.to(device)
-        # sliding-window layers of another head size or rope base have their own frequencies
-        self.swa_inv_freq = rope_frequencies(hp.swa_head_dim or hp.rope_dim, hp.swa_rope_theta or hp.rope_theta,
-                                             hp.rope_scale, device, hp.yarn)
+        # the first layer of each later device's range -> that device: where a step's activations are handed on
+        self.handoffs = {r.start: torch.device(d) for r, d in zip(split.ranges[1:], split.devices[1:], strict=True)} \
+            if split is not None else {}
+        devices = [layer.attn_norm.device for layer in weights.layers]
+        freqs = {d: self._rope_frequencies(d) for d in set(devices)}
+        self.freqs = [freqs[d] for d in devices]  # per layer: its (inv_freq, swa_inv_freq), on its device
+        # per layer but the last: the next layer's attention norm, which its fused residual add applies, on its device
+        self.next_norms = [after.attn_norm.to(d) for after, d in zip(weights.layers[1:], devices, strict=False)]
+        hp = self.hp
         # YaRN's cos/sin magnitude on both q and k: squared into the scores' rotary part
         self.rope_gain = hp.yarn.attn_factor ** 2 if hp.yarn is not None else 1.0
         self.scale = deepseek2.softmax_scale(hp) if hp.mla else \
             (self.arch.qk_scale or hp.head_dim ** -0.5) * self.rope_gain
 
+    def _rope_frequencies(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary inverse frequencies of the full-attention and the sliding-window layers, on `device`."""
+        hp = self.hp
+        inv_freq = rope_frequencies(hp.rope_dim, hp.rope_theta, hp.rope_scale, device, hp.yarn)
+        if self.w.rope_factors is not None:  # Gemma 4's proportional rope on its full-attention layers
+            inv_freq = inv_freq / self.w.rope_factors.to(device)
+        # sliding-window layers of another head size or rope base have their own frequencies
+        swa_inv_freq = rope_frequencies(hp.swa_head_dim or hp.rope_dim, hp.swa_rope_theta or hp.rope_theta,
+                                        hp.rope_scale, device, hp.yarn)
+        return inv_freq, swa_inv_freq
+
     @property
     def device(self) -> torch.device:
         return self.w.embed.device
+
+    def stage_batches(self, batch: ForwardBatch) -> dict[int, ForwardBatch]:
+        """The step's batch on each later device of a split model, by the first layer of its range (none: one
+        device)."""
+        return {first: batch.to(device) for first, device in self.handoffs.items()}
+
+    def hand_off(self, first: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """The step's activations to the device whose range starts at layer `first`, the current one from here on."""
+        use_device(self.handoffs[first])
+        return [t.to(self.handoffs[first], non_blocking=True) for t in tensors]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -146,12 +182,16 @@ class Model:
         """Logits of the batch's logit rows (each sequence's last token unless built otherwise): float32
         `[rows, vocab]`."""
         eps, layers = self.hp.rms_eps, self.w.layers
+        if self.handoffs:  # NOTE: a split model's kernels launch on each range's device in turn, the first's first
+            use_device(self.device)
         x = self.w.embed[batch.input_ids]  # [tokens, hidden]
         if layers[0].sandwich is not None:
             return self.forward_sandwich(x, batch, kv)
         h = rms_norm(x, layers[0].attn_norm, eps)
-        moe_index = 0
+        moe_index, batches = 0, self.stage_batches(batch)
         for i, layer in enumerate(layers):
+            if i in batches:  # NOTE: the first layer of a device's range: the step continues on that device
+                batch, (x, h) = batches[i], self.hand_off(i, x, h)
             # NOTE: each residual add is fused with the norm that follows it
             x, h = add_rms_norm(x, self.attention(i, layer.attn, h, batch, kv), layer.ffn_norm, eps)
             if isinstance(layer.ffn, DenseFFN):
@@ -160,7 +200,7 @@ class Model:
                 out = moe_forward(moe_index, i, h, layer.ffn, self.router, self.experts, batch.token_mask)
                 moe_index += 1
             if i + 1 < len(layers):
-                x, h = add_rms_norm(x, out, layers[i + 1].attn_norm, eps)
+                x, h = add_rms_norm(x, out, self.next_norms[i], eps)
             else:
                 x = x + out
         return self.logits(x[batch.logit_rows])
@@ -177,13 +217,16 @@ class Model:
         eps, moe_index, layers = self.hp.rms_eps, 0, self.w.layers
         x = x * self.hp.hidden ** 0.5
         h = rms_norm(x, layers[0].attn_norm, eps)
+        batches = self.stage_batches(batch)
         for i, layer in enumerate(layers):
+            if i in batches:  # NOTE: the first layer of a device's range: the step continues on that device
+                batch, (x, h) = batches[i], self.hand_off(i, x, h)
             s, w = layer.sandwich, layer.ffn
             assert s is not None, "every layer of a sandwich-normed model has its norms"
             attn = self.attention(i, layer.attn, h, batch, kv)
             x, (h, *moe_inputs) = sandwich_norm(x, attn, s.post_attn_norm, eps,
                                                 next_weights=gemma4.ffn_norms(layer.ffn_norm, w, s))
-            following = (layers[i + 1].attn_norm,) if i + 1 < len(layers) else ()
+            following = (self.next_norms[i],) if i + 1 < len(layers) else ()
             if isinstance(w, MoE):
                 assert s.mlp is not None and s.post_mlp_norm is not None and s.post_experts_norm is not None
                 routed = moe_forward(moe_index, i, moe_inputs[0], w, self.router, self.experts, batch.token_mask,
@@ -199,8 +242,9 @@ class Model:
 
     def attention(self, i: int, a: Attention | MLAttention | GemmaAttention, x: torch.Tensor, batch: ForwardBatch,
                   kv: KVCache) -> torch.Tensor:
+        inv_freq, swa_inv_freq = self.freqs[i]
         if isinstance(a, GemmaAttention):
-            inv_freq = self.swa_inv_freq if self.hp.is_sliding(i) else self.inv_freq
+            inv_freq = swa_inv_freq if self.hp.is_sliding(i) else inv_freq
             q, k, v = gemma4.project(a, x, batch.positions, inv_freq, self.hp.rms_eps)
             if k is not None:
                 assert v is not None, "a layer that computes keys computes their values"
@@ -208,7 +252,7 @@ class Model:
             # NOTE: a shared-KV layer reads the cache of a layer of its kind: the same window
             return linear(self.attend(self.hp.kv_layer(i), q, batch, kv, None).reshape(x.shape[0], -1), a.o)
         if isinstance(a, MLAttention):
-            q = deepseek2.project_q(a, self.hp, x, batch.positions, self.inv_freq, self.rope_gain, kv.k[i],
+            q = deepseek2.project_q(a, self.hp, x, batch.positions, inv_freq, self.rope_gain, kv.k[i],
                                     batch.slot_ids)
             return deepseek2.project_out(a, self.attend(i, q, batch, kv, None))
         hp, n = self.hp, x.shape[0]
@@ -218,9 +262,9 @@ class Model:
             assert a.q_norm is not None and a.k_norm is not None, "full q/k norm weights are loaded with the layer"
             q, k, v = a.split(qkv)
             q = qk_norm_rope(rms_norm(q, a.q_norm, eps).view(n, hp.num_heads, hp.head_dim), None, positions,
-                             self.inv_freq, style, eps)
+                             inv_freq, style, eps)
             k = qk_norm_rope(rms_norm(k, a.k_norm, eps).view(n, hp.num_kv_heads, hp.head_dim), None, positions,
-                             self.inv_freq, style, eps)
+                             inv_freq, style, eps)
             v = v.view(n, hp.num_kv_heads, hp.head_dim)
             kv.write(i, batch.slot_ids, batch.positions, k, v)
         else:  # q and k heads side by side in the projection: normed, rotated (and cached) in one launch
@@ -228,7 +272,7 @@ class Model:
             v = a.split(qkv)[2].view(n, hp.num_kv_heads, hp.head_dim)
             cache = kv.plain_write(i, batch.slot_ids, v)
             qk = qk_norm_rope(qkv[:, :heads * hp.head_dim].view(n, heads, hp.head_dim), a.q_norm, positions,
-                              self.inv_freq, style, eps, a.k_norm if a.q_norm is not None else None,
+                              inv_freq, style, eps, a.k_norm if a.q_norm is not None else None,
                               hp.num_heads, cache)
             q, k = qk[:, :hp.num_heads], qk[:, hp.num_heads:]
             if cache is None:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.expert_cache.dispatch import ExpertDispatcher
+from engine.expert_cache.pipeline import PipelineDispatcher
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model, SeqSpan
 from engine.moe import TopKRouter
@@ -46,7 +47,7 @@ class _Graph:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, kv: KVCache, experts: ExpertDispatcher, max_num_seqs: int,
+    def __init__(self, model: Model, kv: KVCache, experts: ExpertDispatcher | PipelineDispatcher, max_num_seqs: int,
                  use_graphs: bool, max_chunk: int = 0) -> None:
         """max_chunk: the most tokens of a step (the scheduler's budget): the largest chunk graph."""
         self.model, self.kv, self.experts = model, kv, experts

@@ -15,6 +15,7 @@ from engine.arch.base import GLOBAL_TENSORS, layer_tensor
 from engine.arch.deepseek2 import MLAttention
 from engine.arch.gemma4 import GemmaAttention, Sandwich
 from engine.gguf.reader import GGUFError, GGUFFile, TensorInfo
+from engine.layer_split import LayerSplit
 from ops.bank import ExpertWeights, split_gate_up
 from ops.quants import QType, dequantize, format_of
 from ops.qweight import Matrix, Q8Weight
@@ -89,8 +90,11 @@ def host_bytes(info: TensorInfo) -> torch.Tensor:
 
 class WeightLoader:
     def __init__(self, gguf: GGUFFile, device: torch.device, dtype: torch.dtype,
-                 progress: Callable[[int], None] | None = None, keep_q8: str = "none") -> None:
+                 progress: Callable[[int], None] | None = None, keep_q8: str = "none",
+                 split: LayerSplit | None = None) -> None:
+        """split: the layers' devices where they are several (`device` is then the first's)."""
         self.gguf, self.device, self.dtype, self.progress = gguf, device, dtype, progress
+        self.split = split
         self.keep_q8 = keep_q8  # none | output | all: the Q8_0 matrices `matrix` keeps as Q8_0
         self.arch = get_arch(gguf.architecture)
         vocab = gguf.get("tokenizer.ggml.tokens")
@@ -138,12 +142,27 @@ class WeightLoader:
     def load(self) -> ModelWeights:
         hp, g = self.hp, GLOBAL_TENSORS
         embed = self.dense(g["embed"], (hp.vocab_size, hp.hidden))
-        output = self.matrix((g["output"], (hp.vocab_size, hp.hidden)), keep=self.keep_q8 != "none") \
-            if self.has(g["output"]) else None
-        layers = tuple(self.layer(i) for i in range(hp.num_layers))
+        # NOTE: on several devices each layer is on the device of its range, the embedding on the first, the final
+        # norm and the output on the last (the last layer's)
+        layers = tuple(self.on(i).layer(i) for i in range(hp.num_layers))
+        output = self.output()
+        if output is None and embed.device != self.device:  # a tied output matrix: the embedding's copy
+            output = embed.to(self.device)
         norm = self.dense(g["norm"], (hp.hidden,))
         factors = self.optional(g["rope_freqs"], (hp.rope_dim // 2,), torch.float32)
         return ModelWeights(hp, self.arch, embed, norm, embed if output is None else output, layers, factors)
+
+    def on(self, layer: int) -> WeightLoader:
+        """The loader, loading onto the layer's device from now on."""
+        if self.split is not None:
+            self.device = torch.device(self.split.device_of(layer))
+        return self
+
+    def output(self) -> Matrix | None:
+        """The output matrix; None where it is the embedding's (tied)."""
+        g, hp = GLOBAL_TENSORS, self.hp
+        return self.matrix((g["output"], (hp.vocab_size, hp.hidden)), keep=self.keep_q8 != "none") \
+            if self.has(g["output"]) else None
 
     def layer(self, i: int) -> Layer:
         hp, t = self.hp, lambda role: layer_tensor(i, role)
@@ -215,11 +234,12 @@ class WeightLoader:
 
 
 def load_weights(gguf: GGUFFile, device: torch.device, dtype: torch.dtype,
-                 progress: Callable[[int], None] | None = None, keep_q8: str = "none") -> ModelWeights:
+                 progress: Callable[[int], None] | None = None, keep_q8: str = "none",
+                 split: LayerSplit | None = None) -> ModelWeights:
     """`keep_q8`: which Q8_0 matrices that are only multiplied by stay Q8_0 (`WeightLoader.matrix`): none, the
-    output's, all."""
+    output's, all. `split`: each layer's weights on the device of its range (several devices)."""
     try:
-        return WeightLoader(gguf, device, dtype, progress, keep_q8).load()
+        return WeightLoader(gguf, device, dtype, progress, keep_q8, split).load()
     except ValueError as exc:
         if isinstance(exc, GGUFError):
             raise

@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from engine.async_engine import EngineSnapshot, RequestMetrics
-from engine.expert_cache.stats import CacheStatsSnapshot
+from engine.expert_cache.stats import CacheStatsSnapshot, DeviceStats
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class EngineCollector(Collector):
         snap = self.snapshot()
         yield from self._engine(snap)
         yield from self._cache_picks(snap.cache or EMPTY_CACHE)
+        yield from self._cache_devices(snap.cache or EMPTY_CACHE)
         yield from self._cache_totals(snap.cache or EMPTY_CACHE)
 
     def _engine(self, snap: EngineSnapshot) -> Iterator[Metric]:
@@ -57,23 +58,43 @@ class EngineCollector(Collector):
         yield _gauge("moecache_kv_cache_usage_ratio", "Share of KV-cache positions in use.", s, stats.kv_usage)
 
     def _cache_picks(self, cache: CacheStatsSnapshot) -> Iterator[Metric]:
-        labels = ["model", "group", "batch_class"]
+        labels = ["model", "device", "group", "batch_class"]
         hits = CounterMetricFamily("moecache_expert_cache_hits", "Routed-expert picks served from the "
                                    "expert cache.", labels=labels)
         misses = CounterMetricFamily("moecache_expert_cache_misses", "Routed-expert picks not in the expert "
                                      "cache (computed from host RAM).", labels=labels)
         for g in cache.groups:
-            hits.add_metric([self.model, str(g.group_id), g.batch_class], g.hits)
-            misses.add_metric([self.model, str(g.group_id), g.batch_class], g.misses)
+            hits.add_metric([self.model, g.device, str(g.group_id), g.batch_class], g.hits)
+            misses.add_metric([self.model, g.device, str(g.group_id), g.batch_class], g.misses)
         yield hits
         yield misses
 
+    def _cache_devices(self, cache: CacheStatsSnapshot) -> Iterator[Metric]:
+        """The expert cache's series by device (one device: one series each; before the engine's first snapshot,
+        the totals with no device)."""
+        devices = cache.devices or (DeviceStats("", cache.cache_bytes, cache.num_slots, cache.hits(), cache.misses(),
+                                                cache.recent_hit_ratio, cache.promotions, cache.evictions,
+                                                cache.uploaded_bytes),)
+        for kind, name, doc, value in (
+                (GaugeMetricFamily, "moecache_expert_cache_hit_ratio", "Expert-cache hit ratio over the recent decode "
+                 "steps.", lambda d: d.recent_hit_ratio),
+                (CounterMetricFamily, "moecache_expert_upload_bytes", "Bytes copied into expert-cache slots.",
+                 lambda d: d.uploaded_bytes),
+                (GaugeMetricFamily, "moecache_expert_cache_bytes", "Device memory of the expert cache.",
+                 lambda d: d.cache_bytes),
+                (GaugeMetricFamily, "moecache_expert_cache_slots", "Expert slots in the expert cache.",
+                 lambda d: d.num_slots),
+                (CounterMetricFamily, "moecache_expert_cache_promotions", "Experts copied into the cache.",
+                 lambda d: d.promotions),
+                (CounterMetricFamily, "moecache_expert_cache_evictions", "Experts evicted from the cache.",
+                 lambda d: d.evictions)):
+            family = kind(name, doc, labels=["model", "device"])
+            for d in devices:
+                family.add_metric([self.model, d.device], value(d))
+            yield family
+
     def _cache_totals(self, cache: CacheStatsSnapshot) -> Iterator[Metric]:
         s = self.model
-        yield _gauge("moecache_expert_cache_hit_ratio", "Expert-cache hit ratio over the recent decode steps.",
-                     s, cache.recent_hit_ratio)
-        yield _counter("moecache_expert_upload_bytes", "Bytes copied into expert-cache slots.", s,
-                       cache.uploaded_bytes)
         yield _counter("moecache_expert_stream_bytes", "Expert bytes the device read from host memory.", s,
                        cache.streamed_bytes)
         yield _counter("moecache_expert_cpu_computed", "Routed-expert picks computed on the CPU.", s,
@@ -91,10 +112,6 @@ class EngineCollector(Collector):
                        "host-RAM tier.", s, cache.ram_kept)
         yield _counter("moecache_expert_disk_read_bytes", "Expert bytes read from the GGUF file.", s,
                        cache.disk_read_bytes)
-        yield _gauge("moecache_expert_cache_bytes", "Device memory of the expert cache.", s, cache.cache_bytes)
-        yield _gauge("moecache_expert_cache_slots", "Expert slots in the expert cache.", s, cache.num_slots)
-        yield _counter("moecache_expert_cache_promotions", "Experts copied into the cache.", s, cache.promotions)
-        yield _counter("moecache_expert_cache_evictions", "Experts evicted from the cache.", s, cache.evictions)
 
 
 class JobsCollector(Collector):

@@ -338,7 +338,9 @@ class ReplayRouter:
 
     def __call__(self, moe_index: int, logits: torch.Tensor,
                  token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.weights_at(logits, self.ids[:logits.shape[0], moe_index], token_mask)
+        # NOTE: a split model's later layers run on other devices than the one the ids are copied to
+        ids = self.ids[:logits.shape[0], moe_index].to(logits.device, non_blocking=True)
+        return self.model.weights_at(logits, ids, token_mask)
 
 
 def make_router(spec: str, weights: ModelWeights, max_tokens: int, device: torch.device, seed: int = 0) -> Router:

@@ -106,8 +106,11 @@ class CpuWork:
 
 class CpuTasks:
     def __init__(self, host: Mapping[int, ExpertWeights], rows: Mapping[int, int], max_tokens: int, top_k: int,
-                 hidden: int, device: torch.device, num_threads: int, tier: RamTier | None = None) -> None:
-        """rows: the MoE row of each layer (the task index the device rings with). tier: the layers on disk."""
+                 hidden: int, device: torch.device, num_threads: int, tier: RamTier | None = None,
+                 rings: bool = True) -> None:
+        """rows: the MoE row of each layer (the task index the device rings with). tier: the layers on disk.
+        rings: the device rings for the tasks where it can (else each runs after a host sync: a split model, whose
+        layers on several devices share the job)."""
         self.device, self.rows, self.num_threads = device, rows, num_threads
         self.job = CpuJob.allocate(max_tokens, top_k, hidden, pin=device.type == "cuda")
         self.tasks: dict[int, Task] = {
@@ -115,7 +118,7 @@ class CpuTasks:
             else make_task(bank, self.job, num_threads) for layer, bank in host.items()}
         self.num_experts = {layer: bank.num_experts for layer, bank in host.items()}
         self.watcher: BellWatcher | None = None
-        if device.type == "cuda" and self.is_native:
+        if rings and device.type == "cuda" and self.is_native:
             native = load_native()
             assert native is not None, "native tasks need the native library"
             native.start_pool(num_threads, spin_us=DECODE_SPIN_US)
@@ -138,12 +141,13 @@ class CpuTasks:
         """The device rings for every task (CUDA, native tasks): a step needs no host sync."""
         return self.watcher is not None
 
-    def launch(self, layer: int) -> None:
-        """After the layer's job is written: where the device rings, nothing (the watcher runs the task); else
-        the task runs now, after a host sync (such a step is never captured)."""
+    def launch(self, layer: int, device: torch.device | None = None) -> None:
+        """After the layer's job is written (on `device`, default the tasks' own): where the device rings, nothing
+        (the watcher runs the task); else the task runs now, after a host sync (such a step is never captured)."""
         if self.watcher is None:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+            on = device or self.device
+            if on.type == "cuda":
+                torch.cuda.current_stream(on).synchronize()
             self.run(layer)
 
     def device_seconds(self, layer: int, experts: int, repeats: int = 9) -> float:

@@ -26,7 +26,7 @@ import torch
 from engine.config import CacheConfig
 from engine.expert_cache.cpu_tasks import CpuTasks
 from engine.expert_cache.device import LinkCap, expert_parts
-from engine.expert_cache.manager import CacheManager, Change
+from engine.expert_cache.manager import CacheManager
 from engine.expert_cache.ram_tier import RamTier
 from engine.expert_cache.record import HIT, LANDED, ON_CPU, PAD, STAGED, RecordBuffers, StepRecord
 from engine.expert_cache.staging import LayerStager
@@ -114,9 +114,10 @@ class ExpertDispatcher:
         return prefill_experts() == "fused" and all(covers(bank) for bank in self.resident.values())
 
     # -- the host, before a step is launched ------------------------------------------------------------
-    def prepare(self, changes: list[Change]) -> None:
-        """The table changes and the previous step's landings for the next `begin_step` (pinned memory
+    def prepare(self) -> None:
+        """The manager's table changes and the previous step's landings for the next `begin_step` (pinned memory
         the device reads when the step runs; the previous step has finished)."""
+        changes = self.manager.changes()
         if len(changes) > self.changes.shape[0]:
             raise RuntimeError(f"{len(changes)} cache table changes in one step (room for {self.changes.shape[0]})")
         if changes:
@@ -208,7 +209,7 @@ class ExpertDispatcher:
             hold_fills(expert_ids.reshape(-1), self.fill[layer].flags,
                        self.cap.extra_ns(self.host[layer].expert_bytes))
         if self.cpu is not None:
-            self.cpu.launch(layer)
+            self.cpu.launch(layer, self.device)
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
         return grouped_expert_ffn(x, tokens, experts, pair_weights, self.cur[layer], torch.empty_like(x),
                                   fill=self.fill.get(layer), extra=job.out if job is not None else None,

@@ -120,7 +120,7 @@ class CacheManager:
             landed = np.stack([at[first], experts[first], slots[first]], axis=1).astype(np.int64)
             self.published[rows[landed[:, 0]], landed[:, 1]] = landed[:, 2]
             if len(landed):
-                self.stats.record_copies(len(landed), 0, 0)
+                self.stats.record_copies(len(landed), 0, 0, gid)
                 self._let_go(gid, landed[:, 0], landed[:, 1])
             on_cpu = None
             if upload_cpu_misses:
@@ -187,7 +187,7 @@ class CacheManager:
                 self._uploading[(gid, p.slot)] = (p.layer, p.expert)
             entries = [(gid, p.layer, p.expert, p.slot) for p in promotions]
             self._uploads.append(_Upload(self.copies.copy(pairs), entries))
-            self.stats.record_copies(len(promotions), 0, len(promotions) * self.groups[gid].slot_bytes)
+            self.stats.record_copies(len(promotions), 0, len(promotions) * self.groups[gid].slot_bytes, gid)
 
     def _on_disk(self, layer: int) -> bool:
         return self.tier is not None and layer in self.tier.layouts
@@ -228,7 +228,7 @@ class CacheManager:
         self._held_offers += [(gid, ring, slot) for ring, slot in decision.offers if (gid, slot) in busy]
         self._offer([(gid, ring, slot) for ring, slot in decision.offers if (gid, slot) not in busy])
         self._queued += [(gid, p) for p in decision.uploads]
-        self.stats.record_copies(0, len(decision.evictions), 0)
+        self.stats.record_copies(0, len(decision.evictions), 0, gid)
 
     def _keep_in_ram(self, gid: int, evictions: Sequence[tuple[tuple[int, int], int]]) -> None:
         """Evicted experts of layers on disk, as their slots still hold them, go back into the host-RAM tier (the

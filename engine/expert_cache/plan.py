@@ -181,13 +181,14 @@ def _warning(plan: GroupPlan, want_slots: int, smallest_mib: int) -> str:
     )
 
 
-def plan_cache(layers: Sequence[LayerExperts], budget_bytes: int) -> CachePlan:
-    """Slots per group for `budget_bytes`; 0 means no cache. Raises CacheBudgetError if nothing fits."""
+def plan_cache(layers: Sequence[LayerExperts], budget_bytes: int, first_group: int = 0) -> CachePlan:
+    """Slots per group for `budget_bytes`; 0 means no cache. Raises CacheBudgetError if nothing fits.
+    first_group: the id of the first group (the groups of several devices' plans are numbered on)."""
     if budget_bytes < 0:
         raise ValueError(f"cache budget must be >= 0, got {budget_bytes}")
     groups = group_layers(layers)
     slots = _cached_slots(budget_bytes, groups)
-    plans = tuple(_group_plan(i, g, n) for i, (g, n) in enumerate(zip(groups, slots, strict=True)))
+    plans = tuple(_group_plan(first_group + i, g, n) for i, (g, n) in enumerate(zip(groups, slots, strict=True)))
     if budget_bytes == 0 or not groups:
         return CachePlan(plans, budget_bytes)
     if not any(slots):
@@ -212,3 +213,41 @@ def smallest_useful_budget(layers: Sequence[LayerExperts]) -> int:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if caches_all(mid) else (mid, hi)
     return hi * MiB
+
+
+def plan_devices(parts: Sequence[Sequence[LayerExperts]], budgets: Sequence[int],
+                 labels: Sequence[str]) -> tuple[CachePlan, ...]:
+    """One plan a device (several devices: a split model), each over its own layers and budget, their groups
+    numbered on from one device to the next. A device whose budget caches nothing gets no cache (a warning) while
+    another's caches something; where none does, CacheBudgetError names the smallest total budget that, split in
+    proportion to the devices' host expert bytes, gives every device a cache."""
+    if len(parts) == 1:
+        return (plan_cache(parts[0], budgets[0]),)
+    plans: list[CachePlan] = []
+    for layers, budget, label in zip(parts, budgets, labels, strict=True):
+        first = sum(len(p.groups) for p in plans)
+        try:
+            plans.append(plan_cache(layers, budget, first))
+        except CacheBudgetError as exc:
+            empty = plan_cache(layers, 0, first)
+            plans.append(CachePlan(empty.groups, budget, (f"expert cache on {label}: {exc}",)))
+    if sum(budgets) and not any(p.num_slots for p in plans):
+        raise CacheBudgetError(sum(budgets), smallest_split_budget(parts) // MiB)
+    return tuple(plans)
+
+
+def smallest_split_budget(parts: Sequence[Sequence[LayerExperts]]) -> int:
+    """Bytes (whole MiB): the smallest total budget that, split in proportion to each device's host expert bytes,
+    gives each device with host experts its smallest useful budget."""
+    host = [sum(_host_bytes(g) for g in group_layers(layers)) for layers in parts]
+    total = sum(host)
+    need = [-(-smallest_useful_budget(layers) * total // h) for layers, h in zip(parts, host, strict=True) if h]
+    return -(-max(need, default=0) // MiB) * MiB
+
+
+def merge_plans(plans: Sequence[CachePlan]) -> CachePlan:
+    """The devices' plans as one (the cache as a whole: its groups, budget and warnings)."""
+    if len(plans) == 1:
+        return plans[0]
+    return CachePlan(tuple(g for p in plans for g in p.groups), sum(p.budget_bytes for p in plans),
+                     tuple(w for p in plans for w in p.warnings))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 BATCH_CLASSES = ("<=8", "9-32", ">32")
@@ -33,6 +33,36 @@ class GroupStats:
     batch_class: str
     hits: int
     misses: int
+    device: str = ""  # the device whose slots the group's are (`DeviceShare`)
+
+    @property
+    def hit_ratio(self) -> float:
+        return _ratio(self.hits, self.misses)
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """One device's part of the expert cache: its groups, their bytes and slots (a split model has one a device)."""
+
+    device: str
+    group_ids: tuple[int, ...]
+    cache_bytes: int
+    num_slots: int
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    """One device's part of the expert cache and what it did."""
+
+    device: str
+    cache_bytes: int
+    num_slots: int
+    hits: int
+    misses: int
+    recent_hit_ratio: float  # over the last decode steps
+    promotions: int
+    evictions: int
+    uploaded_bytes: int
 
     @property
     def hit_ratio(self) -> float:
@@ -57,6 +87,7 @@ class CacheStatsSnapshot:
     disk_reads: int = 0  # read calls (preadv) those took
     disk_read_bytes: int = 0
     ram_kept: int = 0  # experts the device cache evicted, copied back into the RAM tier
+    devices: tuple[DeviceStats, ...] = ()  # each device's part (one for one device)
 
     def _select(self, batch: str | None) -> list[GroupStats]:
         if batch is not None and batch not in BATCH_CLASSES:
@@ -77,16 +108,21 @@ class CacheStatsSnapshot:
 class CacheStats:
     """Thread-safe counters; `record_*` take one lock and a few additions."""
 
-    def __init__(self, cache_bytes: int = 0, num_slots: int = 0, recent_steps: int = 64) -> None:
+    def __init__(self, cache_bytes: int = 0, num_slots: int = 0, recent_steps: int = 64,
+                 devices: Sequence[DeviceShare] = ()) -> None:
         self.cache_bytes = cache_bytes
         self.num_slots = num_slots
         self.recent_steps = recent_steps
+        self.devices = tuple(devices)
+        self._device_of = {g: d.device for d in self.devices for g in d.group_ids}
         self._lock = threading.Lock()
         self._hits: Counter[tuple[int, str]] = Counter()  # (group, batch class) -> picks
         self._misses: Counter[tuple[int, str]] = Counter()
         self._steps: Counter[str] = Counter()  # batch class -> steps
         self._totals: Counter[str] = Counter()  # bytes, experts and copies by name
-        self._recent: deque[tuple[int, int]] = deque(maxlen=recent_steps)  # (hits, misses) per decode step
+        self._copies: Counter[tuple[int, str]] = Counter()  # (group, promotions | evictions | uploaded_bytes)
+        # (hits, misses) by group, per decode step
+        self._recent: deque[tuple[dict[int, int], dict[int, int]]] = deque(maxlen=recent_steps)
 
     def record_step(
         self,
@@ -104,11 +140,14 @@ class CacheStats:
             self._misses.update({(g, batch): n for g, n in misses.items()})
             self._totals.update(streamed_bytes=streamed_bytes, cpu_experts=cpu_experts)
             if num_tokens <= DECODE_MAX_TOKENS:
-                self._recent.append((sum(hits.values()), sum(misses.values())))
+                self._recent.append((dict(hits), dict(misses)))
 
-    def record_copies(self, promotions: int, evictions: int, uploaded_bytes: int) -> None:
+    def record_copies(self, promotions: int, evictions: int, uploaded_bytes: int, group: int = -1) -> None:
+        """Copies of one group's slots (-1: of none in particular)."""
         with self._lock:
             self._totals.update(promotions=promotions, evictions=evictions, uploaded_bytes=uploaded_bytes)
+            self._copies.update({(group, "promotions"): promotions, (group, "evictions"): evictions,
+                                 (group, "uploaded_bytes"): uploaded_bytes})
 
     def record_ram_tier(self, hits: int, misses: int, reads: int, read_bytes: int) -> None:
         """One load of the host-RAM tier: experts found in RAM, and those read from disk."""
@@ -125,10 +164,12 @@ class CacheStats:
             keys = sorted(
                 set(self._hits) | set(self._misses), key=lambda k: (k[0], BATCH_CLASSES.index(k[1]))
             )
-            groups = tuple(GroupStats(g, b, self._hits[(g, b)], self._misses[(g, b)]) for g, b in keys)
-            recent_hits = sum(h for h, _ in self._recent)
-            recent_misses = sum(m for _, m in self._recent)
+            groups = tuple(GroupStats(g, b, self._hits[(g, b)], self._misses[(g, b)], self._device_of.get(g, ""))
+                           for g, b in keys)
+            recent_hits = sum(sum(h.values()) for h, _ in self._recent)
+            recent_misses = sum(sum(m.values()) for _, m in self._recent)
             totals = dict(self._totals)
+            devices = tuple(self._device_stats(d, groups) for d in self.devices)
         return CacheStatsSnapshot(
             groups=groups,
             uploaded_bytes=totals.get("uploaded_bytes", 0),
@@ -144,10 +185,23 @@ class CacheStats:
             disk_reads=totals.get("disk_reads", 0),
             disk_read_bytes=totals.get("disk_read_bytes", 0),
             ram_kept=totals.get("ram_kept", 0),
+            devices=devices,
         )
 
+    def _device_stats(self, share: DeviceShare, groups: tuple[GroupStats, ...]) -> DeviceStats:
+        """One device's counts (its groups'), under the lock."""
+        mine = set(share.group_ids)
+        recent = [(sum(n for g, n in h.items() if g in mine), sum(n for g, n in m.items() if g in mine))
+                  for h, m in self._recent]
+        copies = {name: sum(self._copies[(g, name)] for g in mine)
+                  for name in ("promotions", "evictions", "uploaded_bytes")}
+        return DeviceStats(share.device, share.cache_bytes, share.num_slots,
+                           sum(g.hits for g in groups if g.group_id in mine),
+                           sum(g.misses for g in groups if g.group_id in mine),
+                           _ratio(sum(h for h, _ in recent), sum(m for _, m in recent)), **copies)
+
     def summary_lines(self) -> list[str]:
-        """One line per batch class, for the shutdown log."""
+        """One line per batch class (and per device where there are several), for the shutdown log."""
         snap = self.snapshot()
         with self._lock:
             steps = dict(self._steps)
@@ -155,6 +209,8 @@ class CacheStats:
             f"expert cache, batches {b} tokens: {steps.get(b, 0)} steps, {snap.hits(b)} hits, "
             f"{snap.misses(b)} misses, hit ratio {snap.hit_ratio(b):.1%}"
             for b in BATCH_CLASSES
-        ] + ([f"host-RAM tier: {snap.ram_hits} hits, {snap.ram_misses} misses, {snap.disk_reads} disk reads, "
+        ] + [f"expert cache on {d.device}: {d.num_slots} slots, {d.hits} hits, {d.misses} misses, hit ratio "
+             f"{d.hit_ratio:.1%}" for d in snap.devices if len(snap.devices) > 1] \
+            + ([f"host-RAM tier: {snap.ram_hits} hits, {snap.ram_misses} misses, {snap.disk_reads} disk reads, "
               f"{snap.disk_read_bytes / 2**20:.1f} MiB read, {snap.ram_kept} taken back from the device cache"]
              if snap.ram_hits + snap.ram_misses else [])

@@ -26,6 +26,9 @@ class ExpertStore:
         self.hparams = weights.hparams
         self.mapped = {i: ffn.experts for i in weights.moe_layers  # views of the map
                        if isinstance(ffn := weights.layers[i].ffn, MoE)}
+        # NOTE: a layer's resident experts go to its router's device (a split model's layers are on several)
+        self.layer_device = {i: ffn.router.device for i in weights.moe_layers
+                             if isinstance(ffn := weights.layers[i].ffn, MoE)}
         self.release = release or (lambda address, length: None)
         self.locate = locate
         self._host: dict[int, ExpertWeights] = {}
@@ -62,8 +65,9 @@ class ExpertStore:
         """The layer's experts on the device (the map itself when the device is the CPU); on CUDA its MXFP4
         matrices planar (`ops.bank.to_planar`: the decode kernels read a block's codes in one vector)."""
         if layer not in self._resident:
-            bank = bank_to(self._host.get(layer, self.mapped[layer]), self.device)
-            self._resident[layer] = to_planar(bank) if self.device.type == "cuda" else bank
+            device = self.layer_device[layer]
+            bank = bank_to(self._host.get(layer, self.mapped[layer]), device)
+            self._resident[layer] = to_planar(bank) if device.type == "cuda" else bank
         return self._resident[layer]
 
     def keep_resident(self, layers: set[int]) -> None:

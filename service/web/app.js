@@ -45,6 +45,7 @@ function showState(state, rates) {
   $("placement").textContent = state.placement;
   $("tile-hit").textContent = percent(s.recent_hit_ratio);
   $("tile-slots").textContent = String(s.slots);
+  showDevices(s.devices || []);
   $("tile-decode").textContent = s.decode_tokens_per_second.toFixed(1);
   $("tile-requests").textContent = `${s.requests_running} / ${s.requests_waiting}`;
   if (!rates) return;
@@ -52,6 +53,13 @@ function showState(state, rates) {
   $("tile-stream").textContent = rates.streamMiB.toFixed(2);
   $("tile-tokens").textContent = rates.tokens.toFixed(1);
   $("tile-cpu").textContent = rates.cpuExperts.toFixed(0);
+}
+
+// A model split across several devices: each device's part of the cache.
+function showDevices(devices) {
+  $("devices").hidden = devices.length < 2;
+  $("devices").textContent = devices.map((d) => `${d.device}: ${d.slots} slots, ${(d.cache_bytes / 2 ** 20).toFixed(0)} MiB, `
+    + `${percent(d.recent_hit_ratio)} recent hits`).join(" · ");
 }
 
 function percent(x) {

@@ -142,3 +142,27 @@ def test_the_host_ram_tier_of_a_budget(qwen3_30b: Path, capsys: pytest.CaptureFi
     assert tier == {"budget_mib": 4096, "slot_bytes": expert, "slots": 4096 * MiB // expert,
                     "share": 4096 * MiB // expert / (48 * 128), "fits_a_token": True}
     assert not plan_json(capsys, str(qwen3_30b), "--mib", "100", "--host-cache-mib", "10")["ram_tier"]["fits_a_token"]
+
+
+def test_devices_split_the_layers_and_the_budget_by_host_expert_bytes(qwen3_30b: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    out = plan_json(capsys, str(qwen3_30b), "--mib", "4000", "--devices", "cuda:0,cuda:1", "--tensor-split", "3,1")
+    plan = out["plans"][0]
+    devices = plan["devices"]
+    assert [(d["device"], d["layers"]) for d in devices] == [("cuda:0", [0, 35]), ("cuda:1", [36, 47])]
+    # every layer's experts are alike: host expert bytes 3:1, the budget too, adding up to the budget
+    assert devices[0]["host_expert_bytes"] == 3 * devices[1]["host_expert_bytes"]
+    assert [d["budget_bytes"] for d in devices] == [3000 * MiB, 1000 * MiB]
+    assert sum(d["cache_bytes"] for d in devices) == plan["cache_bytes"] <= 4000 * MiB
+    assert [g["layers"] for g in plan["groups"]] == [list(range(36)), list(range(36, 48))]
+    assert sum(d["kv_bytes"] for d in devices) == out["kv_cache"]["bytes"]
+    assert main(["plan", str(qwen3_30b), "--mib", "4000", "--devices", "cuda:0,cuda:1"]) == 0
+    table = capsys.readouterr().out
+    assert "cuda:0: layers 0-23, budget 2000 MiB" in table and "cuda:1: layers 24-47, budget 2000 MiB" in table
+
+
+def test_a_bad_device_list_is_a_clear_error(qwen3_30b: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", str(qwen3_30b), "--devices", "cuda:0,gpu1"]) == 2
+    assert "--devices takes a comma-separated list of cpu or cuda:N" in capsys.readouterr().err
+    assert main(["plan", str(qwen3_30b), "--devices", "cuda:0,cuda:1", "--tensor-split", "1"]) == 2
+    assert "--tensor-split has 1 shares for 2 devices" in capsys.readouterr().err

@@ -8,12 +8,14 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from http_servers import ServerThread, engine_config, greedy
+from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
 from engine.expert_cache.stats import BATCH_CLASSES
@@ -21,9 +23,9 @@ from service.server import ServeOptions
 
 STATE = "/v1/cache/state"
 EVENTS = "/v1/cache/events"
-STAT_FIELDS = {"hits", "misses", "hit_ratio", "recent_hit_ratio", "batch_classes", "groups", "uploaded_bytes",
-               "streamed_bytes", "cpu_experts", "promotions", "evictions", "cache_bytes", "slots", "steps",
-               "prompt_tokens", "generation_tokens", "decode_tokens_per_second", "requests_running",
+STAT_FIELDS = {"hits", "misses", "hit_ratio", "recent_hit_ratio", "batch_classes", "groups", "devices",
+               "uploaded_bytes", "streamed_bytes", "cpu_experts", "promotions", "evictions", "cache_bytes", "slots",
+               "steps", "prompt_tokens", "generation_tokens", "decode_tokens_per_second", "requests_running",
                "requests_waiting", "kv_cache_usage"}
 
 
@@ -55,6 +57,7 @@ async def test_state_has_the_grid_and_the_counters(http: aiohttp.ClientSession, 
     assert sum(w == 1 for row in state["where"] for w in row) <= state["stats"]["slots"]
     assert set(state["stats"]) == STAT_FIELDS
     assert set(state["stats"]["batch_classes"]) == set(BATCH_CLASSES)
+    assert [(d["device"], d["slots"]) for d in state["stats"]["devices"]] == [("cpu", state["stats"]["slots"])]
 
 
 async def test_state_follows_the_traffic(http: aiohttp.ClientSession, server: ServerThread) -> None:
@@ -122,3 +125,26 @@ async def test_page_and_cache_view_are_public_the_api_is_not(http: aiohttp.Clien
             assert r.status == 404, raw  # a public prefix never leads out of the static folder
     async with http.get(keyed_server.url("/web/missing.js")) as r:
         assert r.status == 404
+
+
+async def test_a_split_model_reports_each_devices_cache(http: aiohttp.ClientSession, tiny_gguf: Path) -> None:
+    """Two fake devices (the CPU named twice), a layer each: the state and /metrics give each device's part."""
+    config = engine_config(tiny_gguf, cached=True)
+    config = replace(config, model=replace(config.model, device="auto", devices="cpu,cpu"))
+    srv = ServerThread(config, ServeOptions(port=0)).start()
+    try:
+        async with http.post(srv.url("/v1/completions"), json=greedy(max_tokens=6, prompt="hello there")) as r:
+            assert r.status == 200
+        stats = (await get_state(http, srv.url(STATE)))["stats"]
+        async with http.get(srv.url("/metrics")) as r:
+            families = {f.name: f for f in text_string_to_metric_families(await r.text())}
+    finally:
+        srv.stop()
+    devices = stats["devices"]
+    assert [d["device"] for d in devices] == ["cpu#0", "cpu#1"]
+    assert sum(d["slots"] for d in devices) == stats["slots"] and all(d["slots"] > 0 for d in devices)
+    assert sum(d["hits"] + d["misses"] for d in devices) == stats["hits"] + stats["misses"] > 0
+    assert {g["device"] for g in stats["groups"]} == {"cpu#0", "cpu#1"}
+    slots = {s.labels["device"]: s.value for s in families["moecache_expert_cache_slots"].samples}
+    assert slots == {d["device"]: d["slots"] for d in devices}
+    assert {s.labels["device"] for s in families["moecache_expert_cache_hits"].samples} == {"cpu#0", "cpu#1"}
