@@ -67,10 +67,11 @@ class ModelConfig:
         "FFNs, output): q8_0 keeps those the file holds as Q8_0 so (half the bytes), dtype dequantizes every one "
         "to --dtype, auto keeps the output matrix as Q8_0 on cuda (its kernel reads it faster than the bf16 "
         "copy; the smaller matrices are faster in bf16)"})
-    devices: str | None = field(default=None, metadata={  # None: the one device of --device
+    devices: str | None = field(default=None, metadata={  # None: --device's, or every GPU (`spread_devices`)
         "flag": "--devices", "metavar": "LIST", "help": "several devices of one kind, e.g. cuda:0,cuda:1: the layers "
         "split across them in contiguous ranges, each with its own expert cache (steps that span several CUDA "
-        "devices run without CUDA graphs)"})
+        "devices run without CUDA graphs; default: the first GPU where the model fits 90%% of its free memory, "
+        "else every visible GPU)"})
     tensor_split: str | None = field(default=None, metadata={  # None: by each device's free memory
         "flag": "--tensor-split", "metavar": "A,B", "help": "shares of the layers each device of --devices takes "
         "(default: in proportion to each device's free memory)"})

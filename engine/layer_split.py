@@ -65,6 +65,21 @@ def split_layers(num_layers: int, shares: Sequence[float]) -> tuple[int, ...]:
     return tuple(starts)
 
 
+# the share of a GPU's free memory a model's bytes may take and still run on that GPU alone (KV cache, activations
+# and the expert cache's headroom need the rest)
+FITS_ONE = 0.9
+
+
+def spread_devices(model_bytes: int, free_bytes: Sequence[int]) -> tuple[str, ...]:
+    """The GPUs a model runs on where none is named (free_bytes: each visible GPU's free memory): the first alone
+    where the model fits it, else every one, its layers split across them (each GPU caching its layers' experts)."""
+    if not free_bytes:
+        raise ValueError("no GPU to run on")
+    if len(free_bytes) == 1 or model_bytes <= FITS_ONE * free_bytes[0]:
+        return ("cuda:0",)
+    return tuple(f"cuda:{i}" for i in range(len(free_bytes)))
+
+
 def split_budget(budget_bytes: int, host_bytes: Sequence[int]) -> list[int]:
     """A byte budget split across devices in proportion to their host-RAM expert bytes (largest remainders: the
     parts add up to the budget); a device with no such bytes gets none (none at all: nothing to cache, no budget)."""

@@ -23,7 +23,7 @@ from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.gguf.tokenizer import Tokenizer
 from engine.kv_cache import KVCache, check_kv_fits, check_kv_types
-from engine.layer_split import LayerSplit, split_layers
+from engine.layer_split import LayerSplit, split_layers, spread_devices
 from engine.model import Model, SeqSpan
 from engine.moe import Router
 from engine.runner import ModelRunner
@@ -42,10 +42,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_devices(config: ModelConfig) -> tuple[torch.device, ...]:
-    """The engine's devices: those of --devices, else the one of --device. NOTE: the one place that chooses them: a
-    model is split across GPUs only where --devices names them; spreading a model that does not fit one GPU over
-    every visible GPU would be decided here."""
+def resolve_devices(config: ModelConfig, model_bytes: int) -> tuple[torch.device, ...]:
+    """The engine's devices (the one place that chooses them): those of --devices, else the one of --device; where
+    neither is named and several GPUs are visible, `spread_devices` of the model's bytes and their free memory."""
+    if config.devices is None and config.device == "auto" and torch.cuda.device_count() > 1:
+        free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+        return tuple(torch.device(name) for name in spread_devices(model_bytes, free))
     return tuple(resolve_device(name) for name in config.device_names)
 
 
@@ -127,7 +129,7 @@ class LLMEngine:
         if config.model.kv_types != ("bf16", "bf16"):  # a type the model's layout refuses, before the weights load
             check_kv_types(get_arch(self.gguf.architecture).hparams(self.gguf.metadata, vocab_size=0),
                            *config.model.kv_types)
-        self.devices = resolve_devices(config.model)
+        self.devices = resolve_devices(config.model, sum(t.num_bytes for t in self.gguf))
         self.device = self.devices[0]  # the first device (the embedding's; a split model's last has the logits)
         self.split = split_layers_across(config.model, self.devices, self.gguf)
         if self.split is not None:

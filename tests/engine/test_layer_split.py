@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.config import ModelConfig
-from engine.layer_split import LayerSplit, split_budget, split_layers
+from engine.layer_split import FITS_ONE, LayerSplit, split_budget, split_layers, spread_devices
 
 shares = st.lists(st.floats(0.05, 20.0), min_size=1, max_size=8)
 
@@ -57,6 +57,16 @@ def test_the_budget_split_adds_up_in_proportion_to_host_expert_bytes(budget: int
 def test_a_split_that_skips_or_repeats_layers_is_refused(starts: tuple[int, ...], num_layers: int) -> None:
     with pytest.raises(ValueError):
         LayerSplit(("cpu",) * len(starts), starts, num_layers)
+
+
+def test_a_model_that_does_not_fit_the_first_gpu_spreads_over_every_visible_one() -> None:
+    gib = 1 << 30
+    assert spread_devices(17 * gib, [24 * gib, 24 * gib]) == ("cuda:0",)  # fits the first: one GPU, no hand-off
+    assert spread_devices(int(FITS_ONE * 24 * gib) + 1, [24 * gib, 24 * gib]) == ("cuda:0", "cuda:1")
+    assert spread_devices(60 * gib, [24 * gib, 12 * gib, 12 * gib]) == ("cuda:0", "cuda:1", "cuda:2")
+    assert spread_devices(60 * gib, [24 * gib]) == ("cuda:0",)  # one GPU: its expert cache takes the rest
+    with pytest.raises(ValueError, match="no GPU"):
+        spread_devices(gib, [])
 
 
 def test_a_device_named_twice_gets_distinct_labels() -> None:
