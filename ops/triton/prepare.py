@@ -28,6 +28,7 @@ from ops.triton.qdot import (
     Q40_INT8,
     Q80_INT8,
     has_kernel,
+    mxfp4_place,
     read_place,
 )
 from ops.triton.tables import QType
@@ -40,16 +41,18 @@ def _rounded(v):
 
 
 @triton.jit
-def _planes(v, col, in_cols, out, cols, block, BLOCK: tl.constexpr):
+def _planes(v, col, in_cols, out, cols, block, BLOCK: tl.constexpr, MXFP4_ORDER: tl.constexpr):
     """Stores v `[BLOCK]` (columns `col` of a row) as int8 planes and d per 32 into the row at float32 pointer `out`
-    (the module's layout); returns the planes' values d * (q0 + q1 / 256)."""
+    (the module's layout; MXFP4_ORDER: each block's columns in `qdot.mxfp4_place`'s order); returns the planes'
+    values d * (q0 + q1 / 256)."""
     blocks = tl.reshape(v, [BLOCK // 32, 32])
     amax = tl.max(tl.abs(blocks), axis=1)
     inverse = tl.where(amax > 0, 127.0 / amax, 0.0)[:, None]
     d = amax * (1.0 / 127.0)
     q0 = tl.minimum(tl.maximum(_rounded(blocks * inverse), -127.0), 127.0)
     q1 = tl.minimum(tl.maximum(_rounded((blocks - d[:, None] * q0) * (inverse * PLANE)), -127.0), 127.0)
-    codes = out.to(tl.pointer_type(tl.int8), bitcast=True) + tl.reshape(col, [BLOCK // 32, 32])
+    codes = out.to(tl.pointer_type(tl.int8), bitcast=True) + \
+        tl.reshape(mxfp4_place(col) if MXFP4_ORDER else col, [BLOCK // 32, 32])
     mask = tl.reshape(in_cols, [BLOCK // 32, 32])
     tl.store(codes, q0.to(tl.int8), mask=mask)
     tl.store(codes + cols, q1.to(tl.int8), mask=mask)
@@ -69,7 +72,7 @@ def prepare_block(x, x_stride, out, out_stride, sums, sums_stride, cols, row, bl
     v = tl.load(x + row * x_stride + col, mask=in_cols, other=0.0).to(tl.float32)
     if (FMT == Q4_K and Q4K_INT8) or (FMT == Q5_K and Q5K_INT8) or (FMT == Q8_0 and Q80_INT8) or \
             (FMT == Q4_0 and Q40_INT8) or (FMT == MXFP4 and MXFP4_INT8):  # int8 planes
-        v = _planes(v, col, in_cols, out + row * out_stride, cols, block, BLOCK)
+        v = _planes(v, col, in_cols, out + row * out_stride, cols, block, BLOCK, FMT == MXFP4)
     else:
         place, factor = read_place(col, FMT)
         tl.store(out + row * out_stride + place, v * factor, mask=in_cols)

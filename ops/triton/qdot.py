@@ -653,8 +653,9 @@ def prmt(a, b, c):
 @triton.jit
 def _e2m1_bytes(w):
     """MXFP4's codes in int32 words `w` (byte j: low nibble weight j, high nibble weight 16 + j of its 4) -> the
-    doubled e2m1 values as int8 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), low nibbles' and high nibbles' words:
-    a table lookup in byte permutes."""
+    doubled e2m1 values as int8 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives) in the codes' nibble order: the
+    first word weights j, 16 + j, j + 1, 17 + j, the second j + 2, 18 + j, j + 3, 19 + j (x's planes hold MXFP4's
+    columns in that order, `mxfp4_place`): a table lookup in byte permutes."""
     zero = w * 0
     t0, t1 = zero + 0x03020100, zero + 0x0C080604  # 0 1 2 3 | 4 6 8 12
     t2, t3 = zero - 0x020100FF - 1, zero - 0x0B070503 - 1  # 0 -1 -2 -3 | -4 -6 -8 -12 (0xFDFEFF00, 0xF4F8FAFC)
@@ -662,7 +663,17 @@ def _e2m1_bytes(w):
     signs = 0x32103210 | ((w >> 1) & 0x44444444)  # a code's sign bit picks the table's negative half
     low = prmt(prmt(t0, t1, magnitude), prmt(t2, t3, magnitude), signs)
     high = prmt(prmt(t0, t1, magnitude >> 16), prmt(t2, t3, magnitude >> 16), signs >> 16)
-    return prmt(low, high, zero + 0x6420), prmt(low, high, zero + 0x7531)
+    return low, high
+
+
+@triton.jit
+def mxfp4_place(col):
+    """Where column `col` of x sits in its int8 planes for MXFP4 (`_e2m1_bytes`' order), within its block of 32:
+    word i of the block's first 16 columns holds columns 4i, 16 + 4i, 4i + 1, 17 + 4i, word i of the last 16
+    columns 4i + 2, 18 + 4i, 4i + 3, 19 + 4i."""
+    t = col % 32
+    u = t % 16
+    return col - t + 4 * (u // 4 + 4 * ((u % 4) // 2)) + 2 * (u % 2) + t // 16
 
 
 @triton.jit
@@ -671,14 +682,33 @@ def _b32_acc(acc, macc, lo, hi, ds, dm, lo0, lo1, hi0, hi1, dx, xs, KIND: tl.con
     weights' scale / 256); Q4_0 (KIND 1) also macc += dm * the block's sum. Codes: Q8_0 (KIND 0) lo, signed, against
     x's words lo0 / lo1; Q4_0 (unsigned) and MXFP4 (2, signed) lo and hi against lo0 / lo1 and hi0 / hi1."""
     if KIND == 0:
-        total = dp4a(lo, lo1, dp4a(lo, lo0, tl.zeros_like(lo), True) << 8, True)
-    else:
-        total = dp4a(hi, hi0, dp4a(lo, lo0, tl.zeros_like(lo), KIND == 2), KIND == 2)
-        total = dp4a(hi, hi1, dp4a(lo, lo1, total << 8, KIND == 2), KIND == 2)
+        total = tl.sum(dp4a(lo, lo1, dp4a(lo, lo0, tl.zeros_like(lo), True) << 8, True), axis=2)
+    else:  # a block's 4 words of each plane in one chain of dp4a: no adds, one shift a block
+        plane0 = _chain(lo, lo0, _chain(hi, hi0, tl.zeros_like(ds).to(tl.int32), KIND == 2), KIND == 2)
+        plane1 = _chain(lo, lo1, _chain(hi, hi1, tl.zeros_like(ds).to(tl.int32), KIND == 2), KIND == 2)
+        total = (plane0 << 8) + plane1
     if KIND == 1:
         macc += dm * xs
-    acc += tl.sum(total, axis=2).to(tl.float32) * (ds * dx)
+    acc += total.to(tl.float32) * (ds * dx)
     return acc, macc
+
+
+@triton.jit
+def _chain(w, x, acc, SIGNED: tl.constexpr):
+    """acc `[BR, NB]` + the dot of each block's 4 code words w with x's 4 words `[BR, NB, 4]`: 4 chained dp4a."""
+    w0, w1, w2, w3 = _words(w)
+    x0, x1, x2, x3 = _words(x)
+    return dp4a(w3, x3, dp4a(w2, x2, dp4a(w1, x1, dp4a(w0, x0, acc, SIGNED), SIGNED), SIGNED), SIGNED)
+
+
+@triton.jit
+def _words(t):
+    """`[BR, NB, 4]` -> its 4 words along the last axis, each `[BR, NB]` (a thread holds a block's 4 words, loaded
+    together: the splits stay in its registers)."""
+    a, b = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], 2, 2]))
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
 
 
 @triton.jit
