@@ -6,7 +6,8 @@
 # warm-up, as llama-bench's tg128). Every log and JSON in $LOGS (packed into $OUT/gpu-logs.tgz where $OUT is set).
 # With PROFILE=1, each preset's resident decode step is profiled after its rows (.ci/gpu-step-profile.py: the kernels
 # by time, and the middle step's first 120 kernels in order: a layer's ops one by one).
-# PLACEMENTS (default "resident host") and LLAMA_ROWS (default "resident half") pick the rows where a lease is short.
+# PLACEMENTS (default "resident host"), LLAMA_ROWS (default "resident half") and HOST_FRACS (the host rows' cache
+# budgets, default 0,0.5) pick the rows where a lease is short.
 # Usage: bash .ci/gpu-models.sh [PRESET ...]   (default: gemma4-26b-a4b deepseek-v2-lite gpt-oss-20b)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +39,7 @@ for p in "${presets[@]}"; do
   fi
   for placement in ${PLACEMENTS:-resident host}; do  # every expert resident; every routed expert in host RAM, no cache and 50%
     args="--n-cpu-moe 0"
-    [ $placement = host ] && args="--cpu-moe --budget-frac 0,0.5"
+    [ $placement = host ] && args="--cpu-moe --budget-frac ${HOST_FRACS:-0,0.5}"
     # shellcheck disable=SC2086
     timeout 200 python3 -m service.cli bench -m "$model" --routing synthetic:qwen3 --json "$LOGS/models-$p-$placement.json" \
       --prompt-len 512 --gen-len 128 --warmup-gen-len 400 --repeats 1 --max-num-seqs 1 --batches 1 \
