@@ -38,7 +38,8 @@ def teacher_forced(engine: LLMEngine, ids: list[int], prefill: int) -> torch.Ten
     rows: list[torch.Tensor] = []
 
     def run(span: SeqSpan, tokens: list[int]) -> None:
-        engine.forward([span], [tokens], ["teacher"] * len(tokens), lambda logits: rows.append(logits[0]))
+        # NOTE: a copy: a captured step's logits are its graph's output buffer, which the next step overwrites
+        engine.forward([span], [tokens], ["teacher"] * len(tokens), lambda logits: rows.append(logits[0].clone()))
 
     run(SeqSpan(0, 0, prefill), ids[:prefill])
     for pos in range(prefill, len(ids)):

@@ -434,16 +434,16 @@ PROMPTS = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 5
 def device_and_cpu_logits(path: Path, cache: dict,
                           look: Callable[[LLMEngine, str], None] | None = None) -> dict[str, list[torch.Tensor]]:
     """A preset's float32 logits over 24 teacher-forced steps of PROMPTS (past a 16-position window) on the device
-    with `cache` and on the CPU with every expert in place; look(engine, device) first, where given."""
+    with `cache` and on the CPU with every expert in place; look(engine, device) after them, where given."""
     logits = {}
     for device in ("cuda", "cpu"):
         cfg = EngineConfig(model=ModelConfig(str(path), device=device, dtype="float32", max_context=64),
                            cache=CacheConfig(**cache) if device == "cuda" else CacheConfig(),
                            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
         engine = LLMEngine(cfg)
+        logits[device] = teacher_forced_logits(engine, PROMPTS, 24)
         if look is not None:
             look(engine, device)
-        logits[device] = teacher_forced_logits(engine, PROMPTS, 24)
     return logits
 
 
