@@ -12,16 +12,21 @@ from engine.model import SeqSpan
 from engine.types import Request, SamplingParams
 
 
-def greedy_ids(path: Path, prompt: str, max_tokens: int) -> tuple[LLMEngine, list[int], list[int]]:
-    """The engine, the prompt's ids and the ids of a greedy run of `max_tokens` tokens."""
-    engine = LLMEngine(EngineConfig(ModelConfig(str(path), device="cpu", max_context=128)))
-    ids = engine.tokenizer.encode(prompt)
+def greedy(engine: LLMEngine, ids: list[int], max_tokens: int) -> list[int]:
+    """The ids of a greedy run of `max_tokens` tokens after `ids` (the engine otherwise idle)."""
     engine.add_request(Request("a", tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                ignore_eos=True)))
     output: list[int] = []
     while engine.has_unfinished():
         output += [t for out in engine.step() for t in out.new_token_ids]
-    return engine, ids, output
+    return output
+
+
+def greedy_ids(path: Path, prompt: str, max_tokens: int) -> tuple[LLMEngine, list[int], list[int]]:
+    """The engine, the prompt's ids and the ids of a greedy run of `max_tokens` tokens."""
+    engine = LLMEngine(EngineConfig(ModelConfig(str(path), device="cpu", max_context=128)))
+    ids = engine.tokenizer.encode(prompt)
+    return engine, ids, greedy(engine, ids, max_tokens)
 
 
 def greedy_continuation(path: Path, prompt: str, max_tokens: int) -> str:

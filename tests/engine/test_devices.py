@@ -19,11 +19,10 @@ from engine.expert_cache.store import ExpertStore
 from engine.gguf.reader import GGUFFile
 from engine.layer_split import LayerSplit
 from engine.llm_engine import LLMEngine
-from engine.types import Request, SamplingParams
 from engine.weights import ModelWeights, load_weights
 from tests.engine.reference_experts import ReferenceExperts
 from tests.engine.test_expert_cache import MAX_TOKENS, TOLERANCE, random_step, rel_error, step
-from tests.engine_runs import teacher_forced
+from tests.engine_runs import greedy, teacher_forced
 
 CPU = torch.device("cpu")
 TWO_CPUS = LayerSplit(("cpu", "cpu"), (0, 2), 4)  # the small model's four MoE layers, two a device
@@ -35,14 +34,8 @@ def make_engine(path: Path, cache: CacheConfig, **model: str) -> LLMEngine:
                                   SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)))
 
 
-def greedy(engine: LLMEngine, prompt: str, max_tokens: int = 12) -> list[int]:
-    ids = engine.tokenizer.encode(prompt)
-    engine.add_request(Request("a", tuple(ids), SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                               ignore_eos=True)))
-    out: list[int] = []
-    while engine.has_unfinished():
-        out += [t for o in engine.step() for t in o.new_token_ids]
-    return out
+def greedy_text(engine: LLMEngine, prompt: str, max_tokens: int = 12) -> list[int]:
+    return greedy(engine, engine.tokenizer.encode(prompt), max_tokens)
 
 
 CACHES = {
@@ -64,7 +57,7 @@ def test_two_devices_give_the_outputs_of_one(small_moe_gguf: Path, name: str, te
     two = make_engine(small_moe_gguf, CACHES[name], devices="cpu,cpu", tensor_split=tensor_split)
     assert two.split is not None and len(two.cache.managers) == 2 and two.cache.plan.budget_bytes == \
         one.cache.plan.budget_bytes
-    assert greedy(two, PROMPT) == greedy(one, PROMPT)
+    assert greedy_text(two, PROMPT) == greedy_text(one, PROMPT)
     ids = one.tokenizer.encode(PROMPT + " and the rest on the host")
     expected, got = teacher_forced(one, ids, 6), teacher_forced(two, ids, 6)
     tolerance = 0.0 if CACHES[name].budget_mib in (None, 0) else 1e-4  # log-probabilities spread ~0.3 here
@@ -182,7 +175,7 @@ def assert_same_outputs(path: Path, name: str, one: dict[str, str], two: dict[st
     teacher-forced log-probabilities within the kernels' float32 rounding."""
     first = make_engine(path, CACHES[name], dtype="float32", **one)
     second = make_engine(path, CACHES[name], dtype="float32", **two)
-    assert greedy(second, PROMPT) == greedy(first, PROMPT)
+    assert greedy_text(second, PROMPT) == greedy_text(first, PROMPT)
     ids = first.tokenizer.encode(PROMPT + " and the rest on the host")
     expected, got = teacher_forced(first, ids, 6).cpu(), teacher_forced(second, ids, 6).cpu()
     assert torch.allclose(got, expected, atol=1e-3, rtol=0), float((got - expected).abs().max())
