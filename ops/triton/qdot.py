@@ -62,7 +62,8 @@ def _int8_types(value: str) -> tuple[QType, ...]:
 
 
 # the formats whose kernels read x as two int8 planes (`prepare.prepare_block`): MOECACHE_INT8_EXPERTS names them
-# (comma-separated; 0 or empty: none), read at import, to compare the paths; the default is those timed faster
+# (comma-separated; 0 or empty: none), read at import, to compare the paths; the default names those whose int8
+# kernels the engine's rows were timed with (docs/kernels.md; Q5_K's has not been timed)
 INT8_TYPES = _int8_types(os.environ.get("MOECACHE_INT8_EXPERTS", "Q4_K,MXFP4,Q4_0,Q8_0"))
 Q4K_INT8 = tl.constexpr(QType.Q4_K in INT8_TYPES)
 Q5K_INT8 = tl.constexpr(QType.Q5_K in INT8_TYPES)
