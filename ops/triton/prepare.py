@@ -30,6 +30,7 @@ from ops.triton.qdot import (
     has_kernel,
     mxfp4_place,
     read_place,
+    reads_int8,
 )
 from ops.triton.tables import QType
 
@@ -134,3 +135,15 @@ def launch_prepare(x: torch.Tensor, qtype: QType | None) -> tuple[torch.Tensor, 
         _prepare_kernel[(x.shape[0], p.blocks)](x, x.stride(0), p.x, p.x.stride(0), p.sums, p.sums.stride(0),
                                                 x.shape[1], FMT=p.fmt, BLOCK=p.block, GROUP=GROUP)
     return p.x, p.sums
+
+
+def written_bytes(x: torch.Tensor, qtype: QType | None) -> torch.Tensor:
+    """Rows prepared for `qtype` (`launch_prepare`'s float32 `[rows, cols]`) as the bytes the preparation writes and
+    the kernels read: an int8 format's two planes and its d per 32 (the row's other bytes are never written), else
+    the whole row."""
+    raw = x.view(torch.uint8)
+    if qtype is None or not reads_int8(qtype):
+        return raw
+    cols = x.shape[1]
+    return torch.cat([raw[:, :2 * cols], x[:, cols // 2:cols // 2 + cols // 32].view(torch.uint8)], dim=1)
+

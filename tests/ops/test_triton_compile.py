@@ -238,8 +238,8 @@ def test_the_decode_loops_do_not_spill_more_than_they_do(qtype: QType) -> None:
 @needs_backend
 def test_planar_mxfp4_is_read_in_vectors() -> None:
     """A resident bank's planar MXFP4 (`ops.bank.to_planar`): the decode loops read a block's 16 code bytes in one
-    load and its scale byte once (GGUF's 17-byte blocks: a load a code byte, 32 a step of gate/up), spilling
-    nothing; the prefill GEMMs compile for it."""
+    load and only the scales byte by byte (at most 2 byte loads a matrix a step; GGUF's 17-byte blocks: a load a
+    code byte or more, 16 and up a step of gate/up), spilling nothing; the prefill GEMMs compile for it."""
     if not os.path.exists(NVDISASM):
         pytest.skip(f"no nvdisasm beside Triton's ptxas ({NVDISASM})")
     for planar in (False, True):
@@ -247,7 +247,7 @@ def test_planar_mxfp4_is_read_in_vectors() -> None:
             loop = max(loops(text), key=lambda s: sum(n.startswith("LDG") for n in s))
             loads = collections.Counter(n for n in loop if n.startswith("LDG"))
             if planar:
-                assert loads["LDG.E.128"] > 0 and loads["LDG.E.U8"] <= 2 and "LDL" not in loop, (name, loads)
+                assert loads["LDG.E.128"] > 0 and loads["LDG.E.U8"] <= 4 and "LDL" not in loop, (name, loads)
             else:
                 assert loads["LDG.E.U8"] >= 16, (name, loads)  # what the check above is against
     assert all(loop.local_loads == 0 for loop in weight_loops(QType.MXFP4, prefill=True, planar=True))
