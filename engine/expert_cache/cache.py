@@ -270,7 +270,8 @@ def device_room(store: ExpertStore, cfg: CacheConfig, device: torch.device, laye
     staging banks."""
     if device.type != "cuda":
         return None, reserved_bytes
-    reserved_bytes += 2 * max((store.layer_bytes()[i] for i in layers), default=0) + CHUNK_BYTES
+    layer_bytes = store.layer_bytes()
+    reserved_bytes += 2 * max((layer_bytes[i] for i in layers), default=0) + CHUNK_BYTES
     if cfg.mode.streams:
         reserved_bytes += staging_bytes([store.mapped[i] for i in layers])
     return torch.cuda.mem_get_info(device)[0], reserved_bytes
