@@ -84,6 +84,20 @@ def link_timeline(events: list[tuple[str, float, float]]) -> None:
                 during[name[:40]] += min(y, b) - max(x, a)
         top = ", ".join(f"{n} {t / 1e3:.2f}" for n, t in sorted(during.items(), key=lambda kv: -kv[1])[:3])
         print(f"   link idle {gap / 1e3:6.2f} ms at +{(a - first) / 1e3:.1f} ms; kernels then (ms): {top or '-'}")
+    kernels = sorted((a, b) for name, a, b in events if "Memcpy" not in name)
+    gaps, end = [], kernels[0][1]
+    for a, b in kernels[1:]:
+        if a > end:
+            gaps.append((a - end, end, a))
+        end = max(end, b)
+    last_copy, last_kernel = copies[-1][1], kernels[-1][1]
+    print(f"   kernels idle {sum(g for g, _, _ in gaps) / 1e3:.1f} ms of the prompt's "
+          f"{(last_kernel - first) / 1e3:.1f} ms; its last kernel ends {(last_kernel - last_copy) / 1e3:.1f} ms after "
+          f"the last copy")
+    for gap, a, b in sorted(gaps, reverse=True)[:5]:
+        busy = busy_us([(max(x, a), min(y, b)) for x, y in copies if x < b and y > a])
+        print(f"   kernels idle {gap / 1e3:6.2f} ms at +{(a - first) / 1e3:.1f} ms; the link busy {busy / 1e3:.2f} ms "
+              f"of it")
 
 
 def main() -> None:
@@ -120,6 +134,10 @@ def main() -> None:
         for op, times in sorted(per_op.items(), key=lambda kv: -sum(kv[1]))[:20]:
             print(f"{sum(times) / 1e3:9.2f} ms {len(times):6d}x  {op}")
         link_timeline(timeline)
+        stager = getattr(engine.cache.dispatcher, "stager", None)
+        if stager is not None:
+            print(f"   staging buffers: {[len(pool) for pool in stager.buffers.values()]} (at most "
+                  f"{dict(stager.most) or 'as many as MAX_BUFFERS'})")
         host = cProfile.Profile()
         host.enable()
         wall = prefill(engine, prompt_len, f"{name}-host")

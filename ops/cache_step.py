@@ -135,7 +135,27 @@ def begin_step(tables: SlotTables, record: torch.Tensor, header: torch.Tensor, c
         begin_step_torch(tables, record, header, changes)
 
 
+def record_prompt(row: int, expert_ids: torch.Tensor, tables: SlotTables, record: torch.Tensor) -> None:
+    """A prompt's layer `row` (the cache is read, never changed): each pair's expert id (-1: none), outcome (a hit in
+    its published slot, else staged; PAD without an expert) and slot into record, int32 `[>= pairs, 3]` (any
+    strides). One launch on the device: a prompt's step is launched layer by layer from the host."""
+    if _use_triton(expert_ids):
+        from ops.triton.cache_step import record_prompt as fused
+        fused(row, expert_ids, tables, record)
+    else:
+        record_prompt_torch(row, expert_ids, tables, record)
+
+
 # --- torch references -------------------------------------------------------------------------------------
+def record_prompt_torch(row: int, expert_ids: torch.Tensor, tables: SlotTables, record: torch.Tensor) -> None:
+    ids = expert_ids.flatten()
+    valid = (ids >= 0) & (ids < tables.num_experts)
+    slots = tables.state[row][torch.where(valid, ids, 0)].long()
+    outcome = torch.where(valid, torch.where(slots >= 0, HIT, STAGED), PAD)
+    n = ids.numel()
+    record[:n, 0], record[:n, 1] = torch.where(valid, ids, -1).to(record), outcome.to(record)
+    record[:n, 2] = torch.where(outcome == HIT, slots, -1).to(record)
+
 
 
 def _streamed_count(share: torch.Tensor, lead: torch.Tensor, num_missed: int) -> int:

@@ -28,11 +28,11 @@ from engine.expert_cache.cpu_tasks import CpuTasks
 from engine.expert_cache.device import LinkCap, expert_parts
 from engine.expert_cache.manager import CacheManager
 from engine.expert_cache.ram_tier import RamTier
-from engine.expert_cache.record import HIT, LANDED, ON_CPU, PAD, STAGED, RecordBuffers, StepRecord
+from engine.expert_cache.record import HIT, LANDED, ON_CPU, STAGED, RecordBuffers, StepRecord
 from engine.expert_cache.staging import LayerStager
 from engine.moe import flatten_pairs
 from ops.bank import ExpertWeights
-from ops.cache_step import assign_experts, begin_step
+from ops.cache_step import assign_experts, begin_step, record_prompt
 from ops.expert_ffn import expert_ffn
 from ops.grouped_gemm import expert_ffn_grouped_gemm, grouped_gemm_available
 
@@ -287,16 +287,12 @@ class ExpertDispatcher:
         """A large batch: the layer's uncached experts staged in VRAM, its cached ones read in their slots (or copied
         from there beside them, `LayerStager.in_place`) or, where the device is the CPU, read in place. The cache is
         read, never changed."""
-        row, n = self.rows[layer], expert_ids.numel()
-        ids = expert_ids.flatten()
-        slots = self.manager.tables.state[row][ids.clamp(min=0)].long()
-        outcome = torch.where(ids < 0, PAD, torch.where(slots >= 0, HIT, STAGED))
-        record = self.record.layer(row)[:n]
-        record[:, 0], record[:, 1], record[:, 2] = ids, outcome, torch.where(outcome == HIT, slots, -1)
+        row = self.rows[layer]
+        record_prompt(row, expert_ids, self.manager.tables, self.record.layer(row))
         if not self.on_device:
             return self._host_ffn(layer, x, *flatten_pairs(expert_ids, weights)).to(x.dtype)
         assert self.stager is not None, "the device stages host layers for large batches"
-        used = ids[ids >= 0].unique().tolist() if self._on_disk(layer) else None  # a host sync: not captured
+        used = expert_ids[expert_ids >= 0].unique().tolist() if self._on_disk(layer) else None  # a host sync
         bank = self.stager.bank(layer, used)
         tables, pairs = self.stager.tables(layer, bank), flatten_pairs(expert_ids, weights)
         if self._tensor_cores(x) and self.stager.in_place:

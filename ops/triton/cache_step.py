@@ -216,3 +216,29 @@ def begin_step(tables: SlotTables, record: torch.Tensor, header: torch.Tensor, c
         tables.ring.shape[1], record, record.stride(0), record.stride(1), num_layers, header, changes,
         W=256, BLOCK=CHANGES_BLOCK, num_warps=4,
     )
+
+
+@triton.jit(do_not_specialize=["num_pairs", "row", "pair_stride", "field_stride"])
+def _record_prompt_kernel(ids, state, num_experts, row, record, pair_stride, field_stride, num_pairs,
+                          BLOCK: tl.constexpr):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mine = p < num_pairs
+    e = tl.load(ids + p, mask=mine, other=-1).to(tl.int64)
+    valid = mine & (e >= 0) & (e < num_experts)
+    slot = tl.load(state + row.to(tl.int64) * num_experts + tl.where(valid, e, 0), mask=valid, other=-1)
+    hit = valid & (slot >= 0)
+    at = record + p.to(tl.int64) * pair_stride
+    tl.store(at, tl.where(valid, e, -1).to(tl.int32), mask=mine)
+    tl.store(at + field_stride, tl.where(valid, tl.where(hit, HIT, STAGED), PAD).to(tl.int32), mask=mine)
+    tl.store(at + 2 * field_stride, tl.where(hit, slot, -1).to(tl.int32), mask=mine)
+
+
+def record_prompt(row: int, expert_ids: torch.Tensor, tables: SlotTables, record: torch.Tensor) -> None:
+    ids = expert_ids.reshape(-1)
+    if record.dtype != torch.int32 or record.dim() != 2 or record.shape[1] != 3 or record.shape[0] < ids.numel():
+        raise ValueError(f"record: expected int32 [>= {ids.numel()}, 3], got {record.dtype} {tuple(record.shape)}")
+    if ids.numel():
+        block = 1024
+        _record_prompt_kernel[(triton.cdiv(ids.numel(), block),)](
+            ids, tables.state, tables.num_experts, row, record, record.stride(0), record.stride(1), ids.numel(),
+            BLOCK=block, num_warps=4)

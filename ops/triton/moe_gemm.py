@@ -417,14 +417,15 @@ def _schedule(bank_rows: torch.Tensor, num_experts: int,
               block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """key (the pair's expert, num_experts if skipped), order (pairs sorted by key), ends (of each expert's
     sorted pairs) and tile_ends (cumulative tiles of BLOCK_M): int32, on the device, no host sync."""
+    # NOTE: a prompt's host layers launch this eagerly: int32 where torch can, so that no launch only converts
     is_kept = (bank_rows >= 0) & (bank_rows < num_experts)
     key = torch.where(is_kept, bank_rows, num_experts).to(torch.int32)
     order = torch.argsort(key, stable=True)
     experts = torch.arange(num_experts, dtype=torch.int32, device=key.device)
-    ends = torch.searchsorted(key[order], experts, right=True)
+    ends = torch.searchsorted(key[order], experts, right=True, out_int32=True)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    tile_ends = torch.cumsum(torch.div(counts + block_m - 1, block_m, rounding_mode="floor"), 0)
-    return key, order.int(), ends.int(), tile_ends.int()
+    tile_ends = torch.cumsum(torch.div(counts + block_m - 1, block_m, rounding_mode="floor"), 0, dtype=torch.int32)
+    return key, order.int(), ends, tile_ends
 
 
 def _launch_gate_up(x: torch.Tensor, token_ids: torch.Tensor, order: torch.Tensor, ends: torch.Tensor,

@@ -202,14 +202,46 @@ def random_step(seed: int, device: torch.device) -> None:
         assert torch.equal(getattr(ref, name), getattr(fused, name).cpu()), name
 
 
+def test_a_prompts_record_names_hits_in_their_slots_and_stages_the_rest_without_changing_the_cache() -> None:
+    t = tables()
+    before = clone(t)
+    hit = int((t.state[1] >= 0).nonzero()[0, 0])
+    missed = next(e for e in range(E) if t.state[1, e] < 0)
+    record = torch.full((8, 3), 99, dtype=torch.int32)
+    cs.record_prompt_torch(1, torch.tensor([[hit, missed], [-1, hit]]), t, record)
+    assert record[:4].T.tolist() == [[hit, missed, -1, hit], [cs.HIT, cs.STAGED, cs.PAD, cs.HIT],
+                                     [int(t.state[1, hit]), -1, -1, int(t.state[1, hit])]]
+    assert (record[4:] == 99).all(), "rows past the prompt's pairs are untouched"
+    for name in cs.SlotTables.__dataclass_fields__:
+        assert torch.equal(getattr(t, name), getattr(before, name)), name
+
+
+def random_prompt(seed: int, device: torch.device) -> None:
+    """The prompt's record kernel against its reference: random routing with padding, a layer's strided record."""
+    from ops.triton.cache_step import record_prompt
+
+    g = torch.Generator().manual_seed(seed)
+    base = tables(layers=4, seed=seed, cached=int(torch.randint(0, E + 1, (1,), generator=g)))
+    for row, tokens in itertools.product(range(4), (3, 700)):
+        ids = torch.randint(0, E, (tokens, 4), generator=g)
+        ids[torch.rand(ids.shape, generator=g) < 0.1] = -1
+        ref = torch.zeros(tokens * 4 + 5, 3, 4, dtype=torch.int32)[:, :, row]
+        fused = torch.zeros(tokens * 4 + 5, 3, 4, dtype=torch.int32, device=device)[:, :, row]
+        cs.record_prompt_torch(row, ids, base, ref)
+        record_prompt(row, ids.to(device), on_device(base, lambda t: t.to(device)), fused)
+        assert torch.equal(ref, fused.cpu()), (seed, row, tokens)
+
+
 @pytest.mark.gpu
 def test_kernels_equal_the_references_on_cuda() -> None:
     pytest.importorskip("triton")
     for seed in range(6):
         random_step(seed, torch.device("cuda"))
+        random_prompt(seed, torch.device("cuda"))
 
 
-INTERPRETER_CHECKS = [(f"seed {i}", lambda seed: random_step(seed, torch.device("cpu"))) for i in range(3)]
+INTERPRETER_CHECKS = [(f"seed {i}", lambda seed: random_step(seed, torch.device("cpu"))) for i in range(3)] + \
+    [(f"prompt seed {i}", lambda seed: random_prompt(seed, torch.device("cpu"))) for i in range(2)]
 
 
 @needs_no_cuda
