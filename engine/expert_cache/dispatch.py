@@ -208,12 +208,20 @@ class ExpertDispatcher:
         if self.cap is not None and layer in self.fill:
             hold_fills(expert_ids.reshape(-1), self.fill[layer].flags,
                        self.cap.extra_ns(self.host[layer].expert_bytes))
-        if self.cpu is not None:
+        added = None  # the CPU's job whose output the kernels add
+        if self.cpu is not None and (self.cpu.rings or self._has_cpu_pairs(row, expert_ids.numel())):
             self.cpu.launch(layer, self.device)
+            added = self.cpu.job
         tokens, experts, pair_weights = flatten_pairs(expert_ids, weights)
         return grouped_expert_ffn(x, tokens, experts, pair_weights, self.cur[layer], torch.empty_like(x),
-                                  fill=self.fill.get(layer), extra=job.out if job is not None else None,
-                                  extra_bell=job.bell if job is not None else None, prepared=prepared)
+                                  fill=self.fill.get(layer), extra=added.out if added is not None else None,
+                                  extra_bell=added.bell if added is not None else None, prepared=prepared)
+
+    def _has_cpu_pairs(self, row: int, num_pairs: int) -> bool:
+        """Whether the layer's assignment gave the CPU any pair: a host sync, for the steps whose CPU tasks run after
+        one (no doorbell). NOTE: a layer without CPU pairs writes no job, so the job holds an earlier layer's: its
+        task must not run, nor its output be added (a ringing device's kernel reads that from the doorbell)."""
+        return bool((self.record.layer(row)[:num_pairs, 1] == ON_CPU).any())
 
     def _decode_in_place(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                          weights: torch.Tensor) -> torch.Tensor:
