@@ -305,7 +305,7 @@ class ExpertDispatcher:
         tables, pairs = self.stager.tables(layer, bank), flatten_pairs(expert_ids, weights)
         if self._tensor_cores(x) and self.stager.in_place:
             from ops.triton.moe_gemm import expert_ffn_moe_gemm
-            out = expert_ffn_moe_gemm(x, *pairs, tables)
+            out = expert_ffn_moe_gemm(x, *pairs, tables, pairs_per_token=expert_ids.shape[1])
         elif self._tensor_cores(x):
             out = expert_ffn_grouped_gemm(x, *pairs, replace(bank, math=tables.math))
         else:

@@ -381,16 +381,21 @@ def _sum_kernel(y, by_token, token_ends, key, num_experts, out, hidden, BH: tl.c
 
 
 def expert_ffn_moe_gemm(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: torch.Tensor, weights: torch.Tensor,
-                        experts: ExpertWeights | ExpertTables, config: MoeGemmConfig = MoeGemmConfig()) -> torch.Tensor:
+                        experts: ExpertWeights | ExpertTables, config: MoeGemmConfig = MoeGemmConfig(),
+                        pairs_per_token: int | None = None) -> torch.Tensor:
     """The signature of `ops.expert_ffn` (rows -1, or out of range, skipped) -> float32 `[tokens, hidden]`: bf16
     activations and weights, float32 accumulation, h rounded to bf16. experts: a bank (a `covers` one) on x's device,
-    or the tables of its experts' addresses there (each expert wherever it is); no host sync."""
+    or the tables of its experts' addresses there (each expert wherever it is); no host sync. pairs_per_token: the
+    pairs come token by token, this many a token (`engine.moe.flatten_pairs`), so none is sorted by token (a prompt's
+    host layers launch eagerly: launches fewer)."""
     tables = experts if isinstance(experts, ExpertTables) else tables_from_bank(_on(experts, x.device), x.device)
     num_pairs, device = token_ids.shape[0], x.device
     _check(x, token_ids, bank_rows, weights, tables)
-    out = torch.zeros((x.shape[0], tables.hidden), dtype=torch.float32, device=device)
     if num_pairs == 0 or x.shape[0] == 0:
-        return out
+        return torch.zeros((x.shape[0], tables.hidden), dtype=torch.float32, device=device)
+    if pairs_per_token is not None and num_pairs != x.shape[0] * pairs_per_token:
+        raise ValueError(f"{num_pairs} pairs are not {pairs_per_token} for each of {x.shape[0]} tokens")
+    out = torch.empty((x.shape[0], tables.hidden), dtype=torch.float32, device=device)  # every row summed into
     block_m = config.tile_m(num_pairs, tables.num_experts)
     key, order, ends, tile_ends = _schedule(bank_rows, tables.num_experts, block_m)
     grid_tiles = triton.cdiv(num_pairs, block_m) + tables.num_experts
@@ -398,11 +403,15 @@ def expert_ffn_moe_gemm(x: torch.Tensor, token_ids: torch.Tensor, bank_rows: tor
     _launch_gate_up(x.to(torch.bfloat16), token_ids, order, ends, tile_ends, tables, h, block_m, grid_tiles, config)
     y = torch.empty((num_pairs, tables.hidden), dtype=torch.float32, device=device)
     _launch_down(h, order, weights, ends, tile_ends, tables, y, block_m, grid_tiles, config)
-    by_token = torch.argsort(token_ids, stable=True)
-    tokens = torch.arange(x.shape[0], dtype=token_ids.dtype, device=device)
-    token_ends = torch.searchsorted(token_ids[by_token], tokens, right=True)
+    if pairs_per_token is None:
+        by_token = torch.argsort(token_ids, stable=True).int()
+        tokens = torch.arange(x.shape[0], dtype=token_ids.dtype, device=device)
+        token_ends = torch.searchsorted(token_ids[by_token], tokens, right=True, out_int32=True)
+    else:
+        by_token = torch.arange(num_pairs, dtype=torch.int32, device=device)
+        token_ends = torch.arange(pairs_per_token, num_pairs + 1, pairs_per_token, dtype=torch.int32, device=device)
     _sum_kernel[(x.shape[0], triton.cdiv(tables.hidden, SUM_COLS))](
-        y, by_token.int(), token_ends.int(), key, tables.num_experts, out, tables.hidden, BH=SUM_COLS)
+        y, by_token, token_ends, key, tables.num_experts, out, tables.hidden, BH=SUM_COLS)
     return out
 
 

@@ -120,6 +120,18 @@ def check_deterministic_and_empty(case: Case, device: torch.device, seed: int) -
     assert none.shape == first.shape and not none.any()
 
 
+def check_token_major_pairs(case: Case, device: torch.device, seed: int) -> None:
+    """Pairs token by token (a prompt's routing flattened): told so, the kernels sum each token's pairs without
+    sorting them, to the same bits; a count that does not fit is refused."""
+    x, (token_ids, rows, weights), bank, _ = inputs(case, device, seed)
+    order = torch.argsort(token_ids, stable=True)
+    pairs = token_ids[order], rows[order], weights[order]
+    got = expert_ffn_moe_gemm(x, *pairs, bank, case.config, pairs_per_token=case.top_k)
+    assert torch.equal(got, expert_ffn_moe_gemm(x, *pairs, bank, case.config))
+    with pytest.raises(ValueError, match="pairs are not"):
+        expert_ffn_moe_gemm(x, *pairs, bank, case.config, pairs_per_token=case.top_k + 1)
+
+
 def check_experts_where_they_are(case: Case, device: torch.device, seed: int) -> None:
     """Experts read through their addresses, some from a bank's rows and some from other places (a prompt's staged
     layer whose cached experts stay in their slots): the reference's output. The rows whose expert is elsewhere
@@ -246,6 +258,11 @@ def test_deterministic_and_empty() -> None:
 
 
 @pytest.mark.gpu
+def test_token_major_pairs() -> None:
+    check_token_major_pairs(Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=512, **QWEN3), CUDA, seed())  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
 def test_the_switch_selects_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
     case = Case((QType.Q4_K, QType.Q4_K, QType.Q6_K), num_tokens=256, **QWEN3)  # type: ignore[arg-type]
     x, pairs, bank, ref = inputs(case, CUDA, seed())
@@ -305,6 +322,7 @@ INTERPRETER_CHECKS = [(f"{'-'.join(q.name for q in c.types)} tokens={c.num_token
                       for c in INTERPRETER_CASES]
 INTERPRETER_CHECKS.append(("deterministic, all skipped",
                            lambda seed: check_deterministic_and_empty(INTERPRETER_CASES[5], CPU, seed)))
+INTERPRETER_CHECKS.append(("token-major pairs", lambda seed: check_token_major_pairs(INTERPRETER_CASES[0], CPU, seed)))
 INTERPRETER_CHECKS.append(("experts where they are",
                            lambda seed: check_experts_where_they_are(INTERPRETER_CASES[3], CPU, seed)))
 
