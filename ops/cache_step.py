@@ -13,6 +13,8 @@ cache's tables, all on the device (no host sync, so the step stays one CUDA grap
 - `begin_step` (once per step, before the first layer): publishes the previous step's landings
   (state := slot) and applies the host's changes (publish, unpublish, offer slots, ring tail), which
   the host decided off the critical path while the previous step ran.
+- `record_prompt` (a prompt's layer): the layer's row of the step record only (each pair a hit in its slot or
+  staged); a prompt reads the cache and never changes it.
 
 NOTE: tables change only at `begin_step` and, for the experts a step selects, in that layer's
 `assign_experts`; a layer's row is read by the kernels of that layer only, so no kernel reads a
@@ -147,6 +149,8 @@ def record_prompt(row: int, expert_ids: torch.Tensor, tables: SlotTables, record
 
 
 # --- torch references -------------------------------------------------------------------------------------
+
+
 def record_prompt_torch(row: int, expert_ids: torch.Tensor, tables: SlotTables, record: torch.Tensor) -> None:
     ids = expert_ids.flatten()
     valid = (ids >= 0) & (ids < tables.num_experts)
@@ -155,7 +159,6 @@ def record_prompt_torch(row: int, expert_ids: torch.Tensor, tables: SlotTables, 
     n = ids.numel()
     record[:n, 0], record[:n, 1] = torch.where(valid, ids, -1).to(record), outcome.to(record)
     record[:n, 2] = torch.where(outcome == HIT, slots, -1).to(record)
-
 
 
 def _streamed_count(share: torch.Tensor, lead: torch.Tensor, num_missed: int) -> int:

@@ -146,4 +146,3 @@ def written_bytes(x: torch.Tensor, qtype: QType | None) -> torch.Tensor:
         return raw
     cols = x.shape[1]
     return torch.cat([raw[:, :2 * cols], x[:, cols // 2:cols // 2 + cols // 32].view(torch.uint8)], dim=1)
-
